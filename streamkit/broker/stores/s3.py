@@ -1,0 +1,142 @@
+"""The `s3://` fragment store, for AWS S3 and S3-compatible servers.
+
+URL form, as in Gazette: `s3://bucket/prefix/?endpoint=…&region=…&profile=…`,
+plus optional `acl`, `storageclass`, `sse` and `ssekmskeyid`. Credentials come
+from boto3's usual chain (environment, shared files, instance roles), or
+from the named `profile`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, BinaryIO, cast
+from urllib.parse import urlsplit
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from streamkit.protocol import pb
+from streamkit.protocol.fragments import content_path
+
+from .base import CONTENT_TYPES, FragmentStore, StoreError, store_args, translate_errors
+
+__all__ = ["S3Store"]
+
+_ERRORS = (BotoCoreError, ClientError)
+_NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+# URL argument -> upload_file ExtraArgs key, for the options applied to new fragments.
+_UPLOAD_ARGS = {
+    "acl": "ACL",
+    "storageclass": "StorageClass",
+    "sse": "ServerSideEncryption",
+    "ssekmskeyid": "SSEKMSKeyId",
+}
+
+
+def _error_code(e: ClientError) -> str:
+    return str(e.response.get("Error", {}).get("Code", ""))
+
+
+class S3Store(FragmentStore):
+    """Fragments as objects under a bucket prefix."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        parts = urlsplit(url)
+        args = store_args(parts, allowed=("endpoint", "region", "profile", *_UPLOAD_ARGS))
+        if parts.scheme != "s3" or not parts.netloc:
+            raise StoreError(f"{url}: an S3 store URL looks like s3://bucket/prefix/")
+        if parts.path and not parts.path.endswith("/"):
+            raise StoreError(f"{url}: a store URL's path must end in '/'")
+        self.bucket = parts.netloc
+        self.prefix = parts.path.lstrip("/")
+        self._upload_args = {_UPLOAD_ARGS[k]: v for k, v in args.items() if k in _UPLOAD_ARGS}
+        endpoint = args.get("endpoint") or None
+        # Custom endpoints (MinIO, Ceph, test servers) rarely have per-bucket DNS names.
+        config = Config(
+            signature_version="s3v4",
+            s3={"addressing_style": "path"} if endpoint else {},
+            retries={"mode": "standard"},
+        )
+        with translate_errors(self, "configuring the client", _ERRORS):
+            session = boto3.session.Session(
+                profile_name=args.get("profile") or None, region_name=args.get("region") or None
+            )
+            self._client = session.client("s3", endpoint_url=endpoint, config=config)
+
+    def _key(self, f: pb.Fragment) -> str:
+        return self.prefix + content_path(f)
+
+    async def _call(self, action: str, method: str, **kwargs: Any) -> Any:
+        """Run one client method in a thread, with its errors as StoreError."""
+        with translate_errors(self, action, _ERRORS):
+            return await asyncio.to_thread(getattr(self._client, method), **kwargs)
+
+    async def list(self, journal: str) -> list[pb.Fragment]:
+        return await asyncio.to_thread(self._list, journal)
+
+    def _list(self, journal: str) -> list[pb.Fragment]:
+        prefix = f"{self.prefix}{journal}/"
+        entries = []
+        with translate_errors(self, f"listing {journal}", _ERRORS):
+            pages = self._client.get_paginator("list_objects_v2")
+            for page in pages.paginate(Bucket=self.bucket, Prefix=prefix):
+                for obj in page.get("Contents", ()):
+                    if not obj["Key"].endswith("/"):  # skip "directory" marker objects
+                        relative = obj["Key"][len(prefix) :]
+                        entries.append((relative, int(obj["LastModified"].timestamp())))
+        return self._collect(journal, entries)
+
+    async def exists(self, f: pb.Fragment) -> bool:
+        key = self._key(f)
+        try:
+            await self._call(f"checking {key}", "head_object", Bucket=self.bucket, Key=key)
+        except StoreError as e:
+            cause = e.__cause__
+            if isinstance(cause, ClientError) and _error_code(cause) in _NOT_FOUND:
+                return False
+            raise
+        return True
+
+    async def put(self, f: pb.Fragment, compressed_path: Path) -> None:
+        if await self.exists(f):
+            return
+        extra = {"ContentType": CONTENT_TYPES[f.compression_codec], **self._upload_args}
+        if f.compression_codec == pb.GZIP_OFFLOAD_DECOMPRESSION:
+            extra["ContentEncoding"] = "gzip"
+        key = self._key(f)
+        # upload_file switches to a multipart upload for large files.
+        await self._call(
+            f"writing {key}",
+            "upload_file",
+            Filename=str(compressed_path),
+            Bucket=self.bucket,
+            Key=key,
+            ExtraArgs=extra,
+        )
+
+    def open(self, f: pb.Fragment) -> BinaryIO:
+        key = self._key(f)
+        with translate_errors(self, f"opening {key}", _ERRORS):
+            response = self._client.get_object(Bucket=self.bucket, Key=key)
+        return cast(BinaryIO, response["Body"])
+
+    async def signed_url(self, f: pb.Fragment, ttl: timedelta) -> str:
+        key = self._key(f)
+        return cast(
+            str,
+            await self._call(
+                f"signing {key}",
+                "generate_presigned_url",
+                ClientMethod="get_object",
+                Params={"Bucket": self.bucket, "Key": key},
+                ExpiresIn=max(1, int(ttl.total_seconds())),
+            ),
+        )
+
+    async def remove(self, f: pb.Fragment) -> None:
+        key = self._key(f)
+        await self._call(f"removing {key}", "delete_object", Bucket=self.bucket, Key=key)
