@@ -1,0 +1,161 @@
+"""HTTP gateway: curl-friendly reads and appends, plus Prometheus /metrics.
+
+* ``GET /<journal>?offset=N&block=true|false`` streams content (206) with the
+  headers X-Fragment-Name, X-Fragment-Location, X-Write-Head and Content-Range.
+  Without block it ends at the first fragment's end; with block it tails.
+* ``HEAD /<journal>?offset=N`` answers the same headers and no content.
+* ``PUT /<journal>`` appends the request body as one append (204) and answers
+  X-Commit-Begin, X-Commit-End and X-Commit-SHA1-Sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from streamkit.broker.appends import append, refusal
+from streamkit.broker.journals import JournalRegistry
+from streamkit.broker.reads import ReadStream
+from streamkit.broker.service import BadRequest, JournalService, check_journal_name
+from streamkit.protocol import pb
+from streamkit.protocol.fragments import content_name, digest_of, fragment_url
+
+_STATUS_HTTP = {
+    pb.JOURNAL_NOT_FOUND: 404,
+    pb.NOT_ALLOWED: 403,
+    pb.OFFSET_NOT_YET_AVAILABLE: 416,
+    pb.REGISTER_MISMATCH: 409,
+    pb.WRONG_APPEND_OFFSET: 409,
+}
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.Response(status=status, text=message + "\n")
+
+
+def _status_error(status: int, journal: str) -> web.Response:
+    return _error(_STATUS_HTTP.get(status, 500), f"{pb.Status.Name(status)}: {journal}")
+
+
+def _int_param(request: web.Request, name: str, default: int) -> int:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        message = f"query parameter {name}: not an integer: {raw!r}\n"
+        raise web.HTTPBadRequest(text=message) from None
+
+
+def _bool_param(request: web.Request, name: str) -> bool:
+    raw = request.query.get(name, "false").lower()
+    if raw not in ("true", "false", "1", "0", ""):
+        raise web.HTTPBadRequest(text=f"query parameter {name}: not a boolean: {raw!r}\n")
+    return raw in ("true", "1")
+
+
+class HttpGateway:
+    """An aiohttp server over the broker's registry."""
+
+    def __init__(self, registry: JournalRegistry, service: JournalService) -> None:
+        self.registry = registry
+        self.service = service
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/{journal:.+}", self.read)  # also serves HEAD
+        app.router.add_put("/{journal:.+}", self.append)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+
+    async def stop(self) -> None:
+        if self._runner:
+            await self._runner.cleanup()
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _replica(self, request: web.Request):
+        journal = request.match_info["journal"]
+        try:
+            check_journal_name(journal)
+        except BadRequest as err:
+            raise web.HTTPBadRequest(text=f"{err}\n") from None
+        return journal, await self.registry.replica(journal)
+
+    async def read(self, request: web.Request) -> web.StreamResponse:
+        journal, replica = await self._replica(request)
+        offset = _int_param(request, "offset", 0)
+        block = _bool_param(request, "block")
+        if replica is None:
+            return _status_error(pb.JOURNAL_NOT_FOUND, journal)
+        if offset < -1:
+            return _error(400, f"query parameter offset: must be >= -1 (got {offset})")
+        read = pb.ReadRequest(
+            journal=journal, offset=offset, block=block, metadata_only=request.method == "HEAD"
+        )
+        responses = ReadStream(replica, read, self.service.header()).responses()
+        first = await anext(responses)
+        if first.status != pb.OK:
+            return _status_error(first.status, journal)
+        response = web.StreamResponse(status=206, headers=_read_headers(first))
+        await response.prepare(request)
+        if request.method == "HEAD":
+            return response
+        async for message in _contents(responses, first.fragment.end, block):
+            await response.write(message)
+        await response.write_eof()
+        return response
+
+    async def append(self, request: web.Request) -> web.Response:
+        journal, replica = await self._replica(request)
+        status = refusal(replica)
+        if status is not None:
+            return _status_error(status, journal)
+        result = await append(
+            replica,
+            pb.AppendRequest(journal=journal),
+            request.content.iter_chunked(1 << 20),
+            self.service.header(),
+        )
+        if result.status != pb.OK:
+            return _status_error(result.status, journal)
+        commit = result.commit
+        return web.Response(
+            status=204,
+            headers={
+                "X-Commit-Begin": str(commit.begin),
+                "X-Commit-End": str(commit.end),
+                "X-Commit-SHA1-Sum": digest_of(commit.sum).hex(),
+            },
+        )
+
+
+async def _contents(
+    responses: AsyncIterator[pb.ReadResponse], first_end: int, block: bool
+) -> AsyncIterator[bytes]:
+    """Content bytes of a read; without `block`, only through the first fragment."""
+    async for message in responses:
+        if message.content:
+            yield message.content
+        elif message.status != pb.OK or (not block and message.offset >= first_end):
+            return
+
+
+def _read_headers(first: pb.ReadResponse) -> dict[str, str]:
+    fragment = first.fragment
+    headers = {
+        "X-Write-Head": str(first.write_head),
+        "X-Fragment-Name": content_name(fragment),
+        "Content-Range": f"bytes {first.offset}-{max(fragment.end - 1, first.offset)}/*",
+        "Content-Type": "application/octet-stream",
+    }
+    if fragment.backing_store:
+        headers["X-Fragment-Location"] = fragment_url(fragment.backing_store, fragment)
+    return headers

@@ -1,0 +1,134 @@
+"""Serving one Read stream: metadata, then content, fragment after fragment.
+
+For each fragment the stream sends a metadata response (offset, write head,
+fragment, and for persisted fragments its URL), then the content in large
+chunks. A local spool is read with pread below the committed end; a persisted
+fragment is opened in its store and decompressed in a worker thread. When a
+gap precedes the next fragment the metadata carries the jumped-to offset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import BinaryIO
+
+from streamkit.broker import metrics
+from streamkit.broker.replica import Replica
+from streamkit.broker.stores import FragmentStore
+from streamkit.protocol import pb
+from streamkit.protocol.codecs import open_decompressed
+
+CHUNK = 1 << 19  # 512 KiB: few messages per MB, well under gRPC's 4 MiB limit
+URL_TTL = timedelta(minutes=1)
+
+
+class ReadStream:
+    """Produces the ReadResponses of one Read RPC."""
+
+    def __init__(self, replica: Replica, request: pb.ReadRequest, header: pb.Header) -> None:
+        self.replica = replica
+        self.request = request
+        self.header: pb.Header | None = header  # sent with the first response only
+        self.offset = replica.write_head if request.offset == -1 else request.offset
+
+    def _response(self, **fields) -> pb.ReadResponse:
+        response = pb.ReadResponse(header=self.header, **fields)
+        self.header = None
+        return response
+
+    def _done(self) -> bool:
+        end = self.request.end_offset
+        return self.replica.deleted or (end > 0 and self.offset >= end)
+
+    async def responses(self) -> AsyncIterator[pb.ReadResponse]:
+        replica, request = self.replica, self.request
+        while not self._done():
+            changed = replica.changed()
+            lookup = replica.index.query(self.offset)
+            if lookup is None or lookup.offset >= lookup.fragment.end:
+                if not request.block:
+                    yield self._response(
+                        status=pb.OFFSET_NOT_YET_AVAILABLE,
+                        offset=self.offset,
+                        write_head=replica.write_head,
+                    )
+                    return
+                await changed.wait()
+                continue
+            fragment = lookup.fragment
+            self.offset = lookup.offset
+            url = await self._fragment_url(fragment)
+            yield self._response(
+                status=pb.OK,
+                offset=self.offset,
+                write_head=replica.write_head,
+                fragment=fragment,
+                fragment_url=url,
+            )
+            if request.metadata_only or (request.do_not_proxy and fragment.backing_store):
+                return  # the client reads the fragment itself (or only wanted metadata)
+            async for chunk in self._content(fragment):
+                yield pb.ReadResponse(offset=self.offset, content=chunk)
+                self.offset += len(chunk)
+                metrics.READ_BYTES.inc(len(chunk))
+
+    async def _fragment_url(self, fragment: pb.Fragment) -> str:
+        if not fragment.backing_store:
+            return ""
+        for store in self.replica.stores:
+            if store.url == fragment.backing_store:
+                return await store.signed_url(fragment, URL_TTL)
+        return ""
+
+    def _stop(self, fragment: pb.Fragment) -> int:
+        end = self.request.end_offset
+        return min(fragment.end, end) if end > 0 else fragment.end
+
+    async def _content(self, fragment: pb.Fragment) -> AsyncIterator[bytes]:
+        if fragment.backing_store:
+            async for chunk in self._remote_content(fragment):
+                yield chunk
+            return
+        spool = self.replica.local.get(fragment.begin)
+        stop = self._stop(fragment)
+        offset = self.offset
+        while offset < stop and spool is not None and not spool.closed:
+            chunk = spool.read(offset, CHUNK, stop)
+            offset += len(chunk)
+            yield chunk
+
+    async def _remote_content(self, fragment: pb.Fragment) -> AsyncIterator[bytes]:
+        store = next((s for s in self.replica.stores if s.url == fragment.backing_store), None)
+        if store is None:
+            return
+        stream = await asyncio.to_thread(_open_at, store, fragment, self.offset)
+        try:
+            remaining = self._stop(fragment) - self.offset
+            while remaining > 0:
+                chunk = await asyncio.to_thread(stream.read, min(CHUNK, remaining))
+                if not chunk:
+                    raise OSError(
+                        f"fragment {fragment.journal}@{fragment.begin:x}-{fragment.end:x} "
+                        f"ended early at offset {fragment.end - remaining}"
+                    )
+                remaining -= len(chunk)
+                yield chunk
+        finally:
+            with contextlib.suppress(Exception):
+                stream.close()
+
+
+def _open_at(store: FragmentStore, fragment: pb.Fragment, offset: int) -> BinaryIO:
+    """Open a decompressed view of a stored fragment, positioned at `offset` (blocking)."""
+    stream = open_decompressed(store.open(fragment), fragment.compression_codec)
+    skip = offset - fragment.begin
+    while skip > 0:
+        skipped = len(stream.read(min(skip, 1 << 22)))
+        if skipped == 0:
+            raise OSError(f"fragment of {fragment.journal} is shorter than its name says")
+        skip -= skipped
+    return stream
+

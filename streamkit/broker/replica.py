@@ -1,0 +1,183 @@
+"""A journal as this broker serves it: current spool, registers, fragment index.
+
+Appends to a journal are serialized by `append_lock`, which makes them atomic
+and linearizable: one append's bytes are never interleaved with another's.
+Readers never take the lock; they read committed bytes below the write head
+and wait on `changed()` for more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from streamkit.broker.index import FragmentIndex
+from streamkit.broker.spool import Spool
+from streamkit.broker.stores import FragmentStore
+from streamkit.protocol import pb
+
+log = logging.getLogger(__name__)
+
+SPOOL_DIR = "@spool"  # "@" never appears in a journal name, so this never collides
+
+
+def spool_directory(data_dir: Path, journal: str) -> Path:
+    return data_dir / "journals" / journal / SPOOL_DIR
+
+
+class Replica:
+    """State of one journal. Created by `open`, which recovers local spools."""
+
+    def __init__(self, spec: pb.JournalSpec, directory: Path, stores: list[FragmentStore]) -> None:
+        self.name = spec.name
+        self.spec = spec
+        self.directory = directory
+        self.stores = stores
+        self.index = FragmentIndex()
+        self.registers = pb.LabelSet()
+        self.append_lock = asyncio.Lock()
+        self.spool: Spool
+        self.local: dict[int, Spool] = {}  # begin -> spool, the current one included
+        self.deleted = False
+        self._changed = asyncio.Event()
+        self._on_roll: Callable[[Replica, Spool], None] = lambda r, s: None
+
+    # --- lifecycle -------------------------------------------------------
+
+    @classmethod
+    async def open(
+        cls,
+        spec: pb.JournalSpec,
+        directory: Path,
+        stores: list[FragmentStore],
+        on_roll: Callable[[Replica, Spool], None],
+    ) -> Replica:
+        """Recover spools from `directory`, list the stores, and pick the write head."""
+        replica = cls(spec, directory, stores)
+        replica._on_roll = on_roll
+        rolled = await asyncio.to_thread(replica._recover_spools)
+        await replica.refresh()
+        if replica.spool.length == 0 and replica.index.end > replica.spool.end:
+            # The stores hold more than we do (say, a lost data dir): start at their end.
+            replica.local.pop(replica.spool.begin)
+            replica.index.remove_local(replica.spool.begin)
+            replica.spool.remove_files()
+            replica._start_spool(replica.index.end)
+        elif replica.index.end > replica.spool.end:
+            rolled.append(replica.spool)
+            replica._start_spool(replica.index.end)
+        for spool in rolled:
+            on_roll(replica, spool)
+        return replica
+
+    def _recover_spools(self) -> list[Spool]:
+        """Reopen every spool file; all but the newest were rolled and await persisting."""
+        paths = sorted(self.directory.glob("*.spool")) if self.directory.exists() else []
+        spools = []
+        for path in paths:
+            spool, commit_log = Spool.recover(self.name, path, self.spec.fragment.compression_codec)
+            if commit_log.registers is not None:
+                self.registers = commit_log.registers
+            spools.append(spool)
+        rolled = []
+        for spool in spools[:-1]:
+            if spool.length == 0:
+                spool.remove_files()
+            else:
+                self._track_local(spool)
+                rolled.append(spool)
+        if spools:
+            self.spool = spools[-1]
+            self._track_local(self.spool)
+        else:
+            self._start_spool(0)
+        return rolled
+
+    def _track_local(self, spool: Spool) -> None:
+        self.local[spool.begin] = spool
+        self.index.add(spool.fragment())
+
+    def _start_spool(self, begin: int) -> None:
+        codec = self.spec.fragment.compression_codec
+        self.spool = Spool.create(self.name, self.directory, begin, codec, self.registers)
+        self._track_local(self.spool)
+
+    def close(self) -> None:
+        """Stop serving (journal deleted or broker stopping); files stay on disk."""
+        self.deleted = True
+        for spool in self.local.values():
+            spool.close()
+        self.notify()
+
+    # --- reads and change notification -----------------------------------
+
+    @property
+    def write_head(self) -> int:
+        return self.spool.end
+
+    def notify(self) -> None:
+        """Wake every reader waiting for new content or index changes."""
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    def changed(self) -> asyncio.Event:
+        """An event set at the next commit, roll, index change or close."""
+        return self._changed
+
+    # --- appends (callers hold append_lock) ------------------------------
+
+    def maybe_roll(self, now: float | None = None) -> bool:
+        """Roll the spool if it reached the fragment length or crossed a flush boundary."""
+        spool, frag = self.spool, self.spec.fragment
+        if spool.length == 0:
+            return False
+        due = spool.length >= frag.length > 0
+        flush = frag.flush_interval.ToMilliseconds() if frag.HasField("flush_interval") else 0
+        if flush > 0 and spool.first_append_ms:
+            now_ms = int((time.time() if now is None else now) * 1000)
+            due = due or (spool.first_append_ms // flush != now_ms // flush)
+        if due:
+            self.roll()
+        return due
+
+    def roll(self) -> None:
+        """Close the current spool to appends and start the next at the write head."""
+        old = self.spool
+        self._start_spool(old.end)
+        self._on_roll(self, old)
+        self.notify()
+
+    def committed(self, spool: Spool) -> None:
+        """Publish a spool's new committed end to readers."""
+        self.index.add(spool.fragment())
+        self.notify()
+
+    def persisted(self, local: Spool, remote: pb.Fragment) -> None:
+        """Swap a persisted spool for its store copy and drop the local files."""
+        self.index.add(remote)
+        self.index.remove_local(local.begin)
+        self.local.pop(local.begin, None)
+        local.remove_files()
+        self.notify()
+
+    # --- store listings ---------------------------------------------------
+
+    async def refresh(self) -> None:
+        """Re-list every store of the journal into the index."""
+        listed: list[pb.Fragment] = []
+        postfixed = bool(self.spec.fragment.path_postfix_template)
+        for store in self.stores:
+            try:
+                # Without a postfix template, subdirectories belong to other journals
+                # (a/b's store directory also holds a/b/c's).
+                listed.extend(
+                    f for f in await store.list(self.name) if postfixed or not f.path_postfix
+                )
+            except Exception as err:  # a store outage must not take the journal down
+                log.warning("listing %s for journal %s failed: %s", store.url, self.name, err)
+                return
+        self.index.replace_remote(listed)
+        self.notify()

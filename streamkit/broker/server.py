@@ -1,0 +1,168 @@
+"""The bundled broker process: gRPC Journal service, HTTP gateway, persister, ticker.
+
+Layout of a data dir:
+
+* ``keyspace.db``: the embedded KeySpace (journal specs), unless another is named;
+* ``journals/<journal>/@spool/``: spools of each journal;
+* ``fragments/``: the default ``file://`` fragment root;
+* ``tmp/``: scratch space for compressing fragments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from streamkit.broker.http import HttpGateway
+from streamkit.broker.journals import JournalRegistry
+from streamkit.broker.persister import Persister
+from streamkit.broker.replica import Replica
+from streamkit.broker.service import Identity, JournalService
+from streamkit.keyspace import open_keyspace
+from streamkit.protocol import pb_grpc
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 8080
+TICK = 1.0  # seconds between flush-interval and store-refresh checks
+MAX_MESSAGE = 64 << 20
+
+
+@dataclass
+class BrokerConfig:
+    data_dir: Path
+    port: int = DEFAULT_PORT
+    http_port: int | None = None  # default: port + 1; 0 disables the gateway
+    host: str = "127.0.0.1"
+    file_root: Path | None = None
+    keyspace: str | None = None
+    zone: str = "local"
+    suffix: str = field(default_factory=socket.gethostname)
+    shutdown_grace: float = 5.0
+
+    @property
+    def fragment_root(self) -> Path:
+        return self.file_root or self.data_dir / "fragments"
+
+    @property
+    def gateway_port(self) -> int:
+        return self.port + 1 if self.http_port is None else self.http_port
+
+
+class Broker:
+    """Owns every component of one broker process; `run` serves until stopped."""
+
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        self._stopping = asyncio.Event()
+        self.persister = Persister(config.data_dir / "tmp")
+        self.registry: JournalRegistry
+        self.server: grpc.aio.Server
+        self.gateway: HttpGateway | None = None
+        self._refreshed: dict[str, float] = {}
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def start(self) -> None:
+        cfg = self.config
+        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        cfg.fragment_root.mkdir(parents=True, exist_ok=True)
+        keyspace = open_keyspace(cfg.keyspace or str(cfg.data_dir / "keyspace.db"))
+        self.registry = JournalRegistry(
+            keyspace, cfg.data_dir, cfg.fragment_root, self.persister.enqueue
+        )
+        self.persister.start()
+        await self.registry.start()
+        endpoint = f"grpc://{cfg.host}:{cfg.port}"
+        identity = Identity(zone=cfg.zone, suffix=cfg.suffix, endpoint=endpoint)
+        self.service = JournalService(self.registry, identity)
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE),
+                ("grpc.max_send_message_length", MAX_MESSAGE),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        pb_grpc.add_JournalServicer_to_server(self.service, self.server)
+        bound = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if bound == 0:
+            raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
+        await self.server.start()
+        if cfg.gateway_port:
+            self.gateway = HttpGateway(self.registry, self.service)
+            await self.gateway.start(cfg.host, cfg.gateway_port)
+        log.info("broker serving gRPC on %s:%d, HTTP on %s, data in %s", cfg.host, cfg.port,
+                 cfg.gateway_port or "(off)", cfg.data_dir)
+
+    async def run(self) -> None:
+        """Serve until SIGTERM/SIGINT or `request_stop`, then stop gracefully."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.request_stop)
+        await self.start()
+        ticker = asyncio.create_task(self._tick())
+        try:
+            await self._stopping.wait()
+        finally:
+            ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
+            await self.stop()
+
+    async def stop(self) -> None:
+        """Refuse new RPCs, let in-flight ones finish, persist the spools, close."""
+        grace = self.config.shutdown_grace
+        log.info("broker stopping")
+        await self.server.stop(grace / 3)
+        if self.gateway:
+            await self.gateway.stop()
+        for replica in self.registry.replicas():
+            await self._roll_for_shutdown(replica)
+        if not await self.persister.drain(grace / 2):
+            log.warning("some fragments were not persisted before shutdown; they stay spooled")
+        await self.persister.stop()
+        await self.registry.stop()
+        log.info("broker stopped")
+
+    async def _roll_for_shutdown(self, replica: Replica) -> None:
+        async with replica.append_lock:
+            if replica.spool.length and replica.stores:
+                replica.roll()
+
+    async def _tick(self) -> None:
+        """Roll spools whose flush interval passed, and refresh store listings."""
+        while True:
+            await asyncio.sleep(TICK)
+            now = time.time()
+            for replica in self.registry.replicas():
+                if not replica.append_lock.locked():
+                    async with replica.append_lock:
+                        replica.maybe_roll(now)
+                await self._maybe_refresh(replica, now)
+
+    async def _maybe_refresh(self, replica: Replica, now: float) -> None:
+        interval = replica.spec.fragment.refresh_interval.ToSeconds() or 300
+        last = self._refreshed.setdefault(replica.name, now)
+        if now - last >= interval:
+            self._refreshed[replica.name] = now
+            await replica.refresh()
+
+
+def serve(config: BrokerConfig) -> None:
+    """Run a broker in this process until it is signalled to stop."""
+    logging.basicConfig(
+        level=os.environ.get("STREAMKIT_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    asyncio.run(Broker(config).run())

@@ -1,0 +1,290 @@
+"""The Journal gRPC service: List, Apply, Read, Append, ListFragments (and Replicate).
+
+Request problems are answered the way Gazette answers them: a response Status
+(JOURNAL_NOT_FOUND, REGISTER_MISMATCH, ...) when the protocol has one, else a
+gRPC INVALID_ARGUMENT naming the field. The server keeps serving either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from streamkit.broker import metrics
+from streamkit.broker.appends import RolledBack, append, refusal
+from streamkit.broker.journals import ApplyConflict, JournalRegistry
+from streamkit.broker.reads import ReadStream
+from streamkit.protocol import pb, pb_grpc
+from streamkit.protocol.labels import labels_with_meta, matches, validate_selector
+from streamkit.protocol.spec import SpecError, journal_name_problem, validate_proto
+
+log = logging.getLogger(__name__)
+
+LIST_CHUNK = 25  # journals per ListResponse message, as Gazette sends them
+MAX_FRAGMENTS_PAGE = 10_000
+DEFAULT_FRAGMENTS_PAGE = 1_000
+APPEND_CHUNK_TIMEOUT = 30.0  # a stalled appender holding the journal is rolled back
+
+
+class BadRequest(ValueError):
+    """A malformed request; answered with INVALID_ARGUMENT."""
+
+
+def check_journal_name(name: str, field: str = "journal") -> None:
+    """Raise BadRequest naming the field when `name` is not a valid journal name."""
+    problem = journal_name_problem(name)
+    if problem:
+        raise BadRequest(f"{field}: {problem}")
+
+
+@dataclass
+class Identity:
+    """Who this broker is, for response headers and routes."""
+
+    zone: str
+    suffix: str
+    endpoint: str
+
+    def header(self, revision: int) -> pb.Header:
+        member = pb.ProcessSpec.ID(zone=self.zone, suffix=self.suffix)
+        return pb.Header(
+            process_id=member,
+            route=self.route(),
+            etcd=pb.Header.Etcd(cluster_id=1, member_id=1, revision=revision, raft_term=1),
+        )
+
+    def route(self) -> pb.Route:
+        member = pb.ProcessSpec.ID(zone=self.zone, suffix=self.suffix)
+        return pb.Route(members=[member], primary=0, endpoints=[self.endpoint])
+
+
+def _is_readable(spec: pb.JournalSpec) -> bool:
+    return spec.flags != pb.JournalSpec.O_WRONLY
+
+
+class JournalService(pb_grpc.JournalServicer):
+    """Serves the Journal API from a JournalRegistry."""
+
+    def __init__(self, registry: JournalRegistry, identity: Identity) -> None:
+        self.registry = registry
+        self.identity = identity
+
+    def header(self) -> pb.Header:
+        return self.identity.header(self.registry.revision)
+
+    async def _abort(self, context: grpc.aio.ServicerContext, method: str, err: Exception) -> None:
+        metrics.RPC_ERRORS.labels(method, "INVALID_ARGUMENT").inc()
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
+    # --- List -------------------------------------------------------------
+
+    async def List(self, request: pb.ListRequest, context) -> AsyncIterator[pb.ListResponse]:
+        try:
+            validate_selector(request.selector)
+        except ValueError as err:
+            await self._abort(context, "List", err)
+        while True:
+            changed = self.registry.changed()
+            for response in self._list_snapshot(request.selector):
+                yield response
+            if not request.watch:
+                return
+            yield pb.ListResponse(status=pb.OK, header=self.header())  # ends the snapshot
+            await changed.wait()
+
+    def _list_snapshot(self, selector: pb.LabelSelector) -> list[pb.ListResponse]:
+        selected = []
+        for name in sorted(self.registry.entries):
+            entry = self.registry.entries[name]
+            if matches(selector, labels_with_meta(entry.spec.labels, name)):
+                selected.append(
+                    pb.ListResponse.Journal(
+                        spec=entry.spec,
+                        mod_revision=entry.mod_revision,
+                        create_revision=entry.create_revision,
+                        route=self.identity.route(),
+                    )
+                )
+        chunks = [selected[i : i + LIST_CHUNK] for i in range(0, len(selected), LIST_CHUNK)]
+        return [
+            pb.ListResponse(status=pb.OK, header=self.header(), journals=chunk)
+            for chunk in chunks or [[]]
+        ]
+
+    # --- Apply ------------------------------------------------------------
+
+    async def Apply(self, request: pb.ApplyRequest, context) -> pb.ApplyResponse:
+        try:
+            _validate_changes(request.changes)
+        except (BadRequest, SpecError) as err:
+            await self._abort(context, "Apply", err)
+        try:
+            await self.registry.apply(list(request.changes))
+        except ApplyConflict:
+            return pb.ApplyResponse(status=pb.ETCD_TRANSACTION_FAILED, header=self.header())
+        return pb.ApplyResponse(status=pb.OK, header=self.header())
+
+    # --- Read -------------------------------------------------------------
+
+    async def Read(self, request: pb.ReadRequest, context) -> AsyncIterator[pb.ReadResponse]:
+        try:
+            _validate_read(request)
+        except (BadRequest, SpecError) as err:
+            await self._abort(context, "Read", err)
+        replica = await self.registry.replica(request.journal)
+        if replica is None:
+            yield pb.ReadResponse(status=pb.JOURNAL_NOT_FOUND, header=self.header())
+            return
+        if not _is_readable(replica.spec):
+            yield pb.ReadResponse(status=pb.NOT_ALLOWED, header=self.header())
+            return
+        metrics.READS_OPEN.inc()
+        try:
+            async for response in ReadStream(replica, request, self.header()).responses():
+                yield response
+        finally:
+            metrics.READS_OPEN.dec()
+
+    # --- Append -----------------------------------------------------------
+
+    async def Append(self, request_iterator, context) -> pb.AppendResponse:
+        try:
+            first = await anext(request_iterator)
+            _validate_append(first)
+        except StopAsyncIteration:
+            await self._abort(context, "Append", BadRequest("Append stream ended before a request"))
+        except (BadRequest, SpecError) as err:
+            await self._abort(context, "Append", err)
+        replica = await self.registry.replica(first.journal)
+        if refusal(replica) is not None:
+            status = refusal(replica)
+            metrics.APPEND_FAILURES.labels(pb.Status.Name(status)).inc()
+            return pb.AppendResponse(status=status, header=self.header())
+        try:
+            return await append(replica, first, _content(first, request_iterator), self.header())
+        except BadRequest as err:
+            await self._abort(context, "Append", err)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "Append stalled; rolled back")
+        except RolledBack as err:
+            await context.abort(grpc.StatusCode.CANCELLED, str(err))
+
+    # --- ListFragments ------------------------------------------------------
+
+    async def ListFragments(self, request: pb.FragmentsRequest, context) -> pb.FragmentsResponse:
+        try:
+            _validate_fragments(request)
+        except (BadRequest, SpecError) as err:
+            await self._abort(context, "ListFragments", err)
+        replica = await self.registry.replica(request.journal)
+        if replica is None:
+            return pb.FragmentsResponse(status=pb.JOURNAL_NOT_FOUND, header=self.header())
+        limit = request.page_limit or DEFAULT_FRAGMENTS_PAGE
+        ttl = request.signatureTTL.ToTimedelta() if request.HasField("signatureTTL") else None
+        page, next_token = [], 0
+        for fragment in replica.index.fragments():
+            if fragment.begin < request.next_page_token or not _in_window(fragment, request):
+                continue
+            if len(page) == limit:
+                next_token = fragment.begin
+                break
+            url = ""
+            if ttl is not None and fragment.backing_store:
+                store = next(s for s in replica.stores if s.url == fragment.backing_store)
+                url = await store.signed_url(fragment, ttl)
+            page.append(pb.FragmentsResponse._Fragment(spec=fragment, signed_url=url))
+        return pb.FragmentsResponse(
+            status=pb.OK, header=self.header(), fragments=page, next_page_token=next_token
+        )
+
+    async def Replicate(self, request_iterator, context):
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "the bundled broker is single-node; run Gazette's brokers for replication",
+        )
+
+
+async def _content(first: pb.AppendRequest, requests) -> AsyncIterator[bytes]:
+    """Content chunks of an Append stream; raises RolledBack if it ends without commit."""
+    if first.content:
+        yield first.content
+    while True:
+        try:
+            request = await asyncio.wait_for(anext(requests), APPEND_CHUNK_TIMEOUT)
+        except StopAsyncIteration:
+            raise RolledBack("Append stream ended without its commit (empty) chunk") from None
+        if request.journal or request.offset or request.HasField("check_registers"):
+            raise BadRequest("Append: only the first AppendRequest may carry parameters")
+        if not request.content:
+            break
+        yield request.content
+    try:
+        await asyncio.wait_for(anext(requests), APPEND_CHUNK_TIMEOUT)
+    except StopAsyncIteration:
+        return
+    raise BadRequest("Append: content followed the commit (empty) chunk")
+
+
+def _in_window(fragment: pb.Fragment, request: pb.FragmentsRequest) -> bool:
+    """Mod-time filter; local spools count as modified now."""
+    mod_time = fragment.mod_time or int(time.time())
+    if request.begin_mod_time and mod_time < request.begin_mod_time:
+        return False
+    return not (request.end_mod_time and mod_time >= request.end_mod_time)
+
+
+def _validate_changes(changes) -> None:
+    if not changes:
+        raise BadRequest("Apply: changes: at least one change is required")
+    seen: set[str] = set()
+    for i, change in enumerate(changes):
+        has_upsert = change.HasField("upsert")
+        if has_upsert == bool(change.delete):
+            raise BadRequest(f"Apply: changes[{i}]: exactly one of upsert or delete is required")
+        if has_upsert:
+            validate_proto(change.upsert)
+            name = change.upsert.name
+        else:
+            check_journal_name(change.delete, f"changes[{i}].delete")
+            name = change.delete
+            if change.expect_mod_revision == 0:
+                raise BadRequest(
+                    f"Apply: changes[{i}]: delete of {name!r} needs expect_mod_revision != 0"
+                )
+        if change.expect_mod_revision < -1:
+            raise BadRequest(f"Apply: changes[{i}]: expect_mod_revision must be >= -1")
+        if name in seen:
+            raise BadRequest(f"Apply: changes[{i}]: journal {name!r} is changed twice")
+        seen.add(name)
+
+
+def _validate_read(request: pb.ReadRequest) -> None:
+    check_journal_name(request.journal)
+    if request.offset < -1:
+        raise BadRequest(f"Read {request.journal}: offset must be >= -1 (got {request.offset})")
+    if request.end_offset < 0 or (request.end_offset and request.end_offset < request.offset):
+        raise BadRequest(
+            f"Read {request.journal}: end_offset {request.end_offset} precedes offset "
+            f"{request.offset}"
+        )
+
+
+def _validate_append(request: pb.AppendRequest) -> None:
+    check_journal_name(request.journal)
+    if request.offset < 0:
+        raise BadRequest(f"Append {request.journal}: offset must be >= 0 (got {request.offset})")
+    if request.HasField("check_registers"):
+        validate_selector(request.check_registers)
+
+
+def _validate_fragments(request: pb.FragmentsRequest) -> None:
+    check_journal_name(request.journal)
+    if not 0 <= request.page_limit <= MAX_FRAGMENTS_PAGE:
+        raise BadRequest(f"ListFragments: page_limit must be 0..{MAX_FRAGMENTS_PAGE}")
+    if request.end_mod_time and request.end_mod_time < request.begin_mod_time:
+        raise BadRequest("ListFragments: end_mod_time precedes begin_mod_time")

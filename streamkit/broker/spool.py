@@ -1,0 +1,241 @@
+"""Spools: the local files behind a journal's open (and not yet persisted) fragments.
+
+A spool is two files in the journal's spool directory:
+
+* ``<begin:016x>.spool`` holds the raw journal bytes [begin, end), so it can be
+  served by ``pread`` and compressed into a fragment file as it is;
+* ``<begin:016x>.commits`` is a log of small checksummed commit records, one
+  per committed append, each naming the new committed end (and the journal's
+  registers when they changed).
+
+An append writes its content past the committed end, fdatasyncs the spool, then
+appends and fdatasyncs a commit record. Only then is the append acknowledged.
+Recovery after a crash keeps exactly the prefix named by the last intact commit
+record, so an acknowledged append is always present and an unacknowledged one is
+wholly present or wholly absent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import struct
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from streamkit.protocol import pb
+from streamkit.protocol.fragments import sum_of
+
+# A commit record: end offset, commit time (unix ms), registers length (or
+# NO_REGISTERS when unchanged), then the registers bytes and a CRC-32 of it all.
+_HEAD = struct.Struct("<qQI")
+_CRC = struct.Struct("<I")
+NO_REGISTERS = 0xFFFFFFFF
+
+
+def _encode_record(end: int, when_ms: int, registers: pb.LabelSet | None) -> bytes:
+    body = b"" if registers is None else registers.SerializeToString()
+    size = NO_REGISTERS if registers is None else len(body)
+    head = _HEAD.pack(end, when_ms, size) + body
+    return head + _CRC.pack(zlib.crc32(head))
+
+
+@dataclass
+class CommitLog:
+    """What a spool's commit log says after its last intact record."""
+
+    end: int
+    registers: pb.LabelSet | None
+    first_append_ms: int  # commit time of the first record that added bytes; 0 if none
+    valid_bytes: int  # length of the intact prefix of the log file
+
+
+def read_commit_log(path: Path, begin: int) -> CommitLog:
+    """Scan a commit log, stopping at the first torn or corrupt record."""
+    data = path.read_bytes() if path.exists() else b""
+    pos, end, registers, first_ms = 0, begin, None, 0
+    while pos + _HEAD.size + _CRC.size <= len(data):
+        rec_end, when_ms, size = _HEAD.unpack_from(data, pos)
+        body_len = 0 if size == NO_REGISTERS else size
+        stop = pos + _HEAD.size + body_len
+        if stop + _CRC.size > len(data):
+            break
+        (crc,) = _CRC.unpack_from(data, stop)
+        if crc != zlib.crc32(data[pos:stop]) or rec_end < end:
+            break
+        if size != NO_REGISTERS:
+            registers = pb.LabelSet.FromString(data[pos + _HEAD.size : stop])
+        if rec_end > end and not first_ms:
+            first_ms = when_ms
+        end, pos = rec_end, stop + _CRC.size
+    return CommitLog(end=end, registers=registers, first_append_ms=first_ms, valid_bytes=pos)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Spool:
+    """One local fragment file of a journal: [begin, end) committed bytes.
+
+    Only the journal's append lock holder mutates a spool; readers use
+    `read` bounded by the committed `end` they observed.
+    """
+
+    journal: str
+    directory: Path
+    begin: int
+    codec: int
+    end: int = 0
+    first_append_ms: int = 0
+    _sha1: hashlib._Hash = field(default_factory=hashlib.sha1)
+    _fd: int = -1
+    _log_fd: int = -1
+
+    @property
+    def data_path(self) -> Path:
+        return self.directory / f"{self.begin:016x}.spool"
+
+    @property
+    def log_path(self) -> Path:
+        return self.directory / f"{self.begin:016x}.commits"
+
+    @classmethod
+    def create(
+        cls, journal: str, directory: Path, begin: int, codec: int, registers: pb.LabelSet
+    ) -> Spool:
+        """Start a new, empty spool at `begin`, recording the current registers."""
+        directory.mkdir(parents=True, exist_ok=True)
+        spool = cls(journal=journal, directory=directory, begin=begin, codec=codec, end=begin)
+        spool._open(truncate=True)
+        os.write(spool._log_fd, _encode_record(begin, 0, registers))
+        os.fsync(spool._log_fd)
+        os.fsync(spool._fd)
+        _fsync_dir(directory)
+        return spool
+
+    @classmethod
+    def recover(cls, journal: str, data_path: Path, codec: int) -> tuple[Spool, CommitLog]:
+        """Reopen a spool after a restart, discarding anything not committed."""
+        begin = int(data_path.stem, 16)
+        log = read_commit_log(data_path.with_suffix(".commits"), begin)
+        spool = cls(journal=journal, directory=data_path.parent, begin=begin, codec=codec)
+        spool._open(truncate=False)
+        os.ftruncate(spool._log_fd, log.valid_bytes)
+        if os.fstat(spool._fd).st_size < log.end - begin:
+            raise OSError(f"spool {data_path} is shorter than its committed end {log.end}")
+        os.ftruncate(spool._fd, log.end - begin)
+        spool.end = log.end
+        spool.first_append_ms = log.first_append_ms
+        spool._rehash()
+        return spool, log
+
+    def _open(self, truncate: bool) -> None:
+        flags = os.O_RDWR | os.O_CREAT | (os.O_TRUNC if truncate else 0)
+        self._fd = os.open(self.data_path, flags, 0o644)
+        self._log_fd = os.open(self.log_path, flags | os.O_APPEND, 0o644)
+
+    def _rehash(self) -> None:
+        self._sha1 = hashlib.sha1()
+        pos, stop = 0, self.end - self.begin
+        while pos < stop:
+            chunk = os.pread(self._fd, min(1 << 22, stop - pos), pos)
+            self._sha1.update(chunk)
+            pos += len(chunk)
+
+    @property
+    def length(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    def fragment(self) -> pb.Fragment:
+        """The committed span as a local (not yet persisted) fragment."""
+        digest = self._sha1.digest() if self.end > self.begin else bytes(20)
+        return pb.Fragment(
+            journal=self.journal,
+            begin=self.begin,
+            end=self.end,
+            sum=sum_of(digest),
+            compression_codec=self.codec,
+        )
+
+    def read(self, offset: int, size: int, end: int) -> bytes:
+        """Read committed bytes at `offset`, never past `end`."""
+        size = min(size, end - offset)
+        return os.pread(self._fd, size, offset - self.begin) if size > 0 else b""
+
+    def start_append(self) -> SpoolAppend:
+        return SpoolAppend(self)
+
+    def close(self) -> None:
+        for fd in (self._fd, self._log_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._log_fd = -1
+
+    def remove_files(self) -> None:
+        """Delete both files (after the fragment is persisted or found empty)."""
+        self.close()
+        self.data_path.unlink(missing_ok=True)
+        self.log_path.unlink(missing_ok=True)
+
+
+class SpoolAppend:
+    """Content of one append in progress: written past `end`, visible only on commit."""
+
+    def __init__(self, spool: Spool) -> None:
+        self.spool = spool
+        self.begin = spool.end
+        self.length = 0
+        self._spool_sha1 = spool._sha1.copy()
+        self._sha1 = hashlib.sha1()
+
+    def write(self, data: bytes) -> None:
+        spool = self.spool
+        os.pwrite(spool._fd, data, self.begin - spool.begin + self.length)
+        self.length += len(data)
+        self._spool_sha1.update(data)
+        self._sha1.update(data)
+
+    async def commit(self, registers: pb.LabelSet | None) -> pb.Fragment:
+        """Make the append durable, then visible. Returns the committed span.
+
+        `registers` is the journal's new register set if this append changed
+        it, else None.
+        """
+        spool = self.spool
+        end = self.begin + self.length
+        now_ms = int(time.time() * 1000)
+        if self.length or registers is not None:
+            record = _encode_record(end, now_ms, registers)
+            await asyncio.to_thread(_sync_commit, spool._fd, spool._log_fd, record, self.length)
+        spool.end = end
+        spool._sha1 = self._spool_sha1
+        if self.length and not spool.first_append_ms:
+            spool.first_append_ms = now_ms
+        digest = self._sha1.digest() if self.length else bytes(20)
+        return pb.Fragment(
+            journal=spool.journal,
+            begin=self.begin,
+            end=end,
+            sum=sum_of(digest),
+            compression_codec=spool.codec,
+        )
+
+
+def _sync_commit(fd: int, log_fd: int, record: bytes, content_length: int) -> None:
+    if content_length:
+        os.fdatasync(fd)
+    os.write(log_fd, record)
+    os.fdatasync(log_fd)

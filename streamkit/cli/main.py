@@ -1,0 +1,24 @@
+"""The `streamkit` command."""
+
+from __future__ import annotations
+
+import click
+
+from streamkit.cli.broker import broker
+
+
+@click.group()
+@click.version_option(package_name="streamkit")
+def cli() -> None:
+    """streamkit: stateful, exactly-once stream processing over journals."""
+
+
+cli.add_command(broker)
+
+
+def main() -> None:
+    cli(prog_name="streamkit")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Shared fixtures: real broker processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.brokerproc import BrokerProcess
+
+
+@pytest.fixture
+def broker_proc(tmp_path: Path) -> Iterator[BrokerProcess]:
+    """A fresh broker with its own data dir, killed after the test."""
+    proc = BrokerProcess(tmp_path / "broker").start()
+    try:
+        yield proc
+    finally:
+        proc.kill()
+
+
+@pytest.fixture(scope="session")
+def shared_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+    """One broker for tests that only create their own uniquely named journals."""
+    proc = BrokerProcess(tmp_path_factory.mktemp("shared") / "broker").start()
+    try:
+        yield proc
+    finally:
+        proc.kill()

@@ -1,0 +1,73 @@
+"""The HTTP gateway: curl-style reads and appends, errors, and /metrics."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import urllib.error
+import urllib.request
+
+import pytest
+
+from streamkit.protocol import pb
+from tests import wire
+
+
+def _http(method: str, url: str, body: bytes | None = None):
+    request = urllib.request.Request(url, data=body, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read()
+
+
+@pytest.fixture(scope="module")
+def journal(shared_broker) -> str:
+    name = "http/gateway"
+    wire.create(wire.stub(shared_broker.address), wire.spec(name))
+    return name
+
+
+def test_put_then_get(shared_broker, journal) -> None:
+    url = f"{shared_broker.http_url}/{journal}"
+    status, headers, _ = _http("PUT", url, b"first line\n")
+    assert status == 204
+    assert (headers["X-Commit-Begin"], headers["X-Commit-End"]) == ("0", "11")
+    assert headers["X-Commit-SHA1-Sum"] == hashlib.sha1(b"first line\n").hexdigest()
+    _http("PUT", url, b"second\n")
+    status, headers, body = _http("GET", url + "?offset=0")
+    assert status == 206
+    assert body == b"first line\nsecond\n"
+    assert headers["X-Write-Head"] == "18"
+    assert headers["Content-Range"].startswith("bytes 0-")
+    assert headers["X-Fragment-Name"].startswith("0000000000000000-")
+    status, headers, body = _http("HEAD", url + "?offset=11")
+    assert status == 206 and body == b"" and headers["X-Write-Head"] == "18"
+
+
+def test_errors_map_to_http_statuses(shared_broker, journal) -> None:
+    base = shared_broker.http_url
+    assert _http("GET", f"{base}/http/missing")[0] == 404
+    assert _http("PUT", f"{base}/http/missing", b"x")[0] == 404
+    assert _http("GET", f"{base}/{journal}?offset=999999")[0] == 416
+    status, _, body = _http("GET", f"{base}/{journal}?offset=abc")
+    assert status == 400 and b"offset" in body
+    assert _http("GET", f"{base}/bad//name")[0] == 400
+    # Garbage on the socket gets a 400 and the gateway keeps serving.
+    with socket.create_connection(("127.0.0.1", shared_broker.port + 1), timeout=5) as sock:
+        sock.sendall(b"\x00\x01garbage\r\n\r\n")
+        assert sock.recv(100).startswith(b"HTTP/1.")
+    assert _http("GET", f"{base}/{journal}?offset=0")[0] == 206
+
+
+def test_metrics_count_appends(shared_broker, journal) -> None:
+    wire.append(wire.stub(shared_broker.address), journal, b"counted\n")
+    status, _headers, body = _http("GET", f"{shared_broker.http_url}/metrics")
+    assert status == 200
+    text = body.decode()
+    line = next(ln for ln in text.splitlines()
+                if ln.startswith("streamkit_broker_appends_total") and journal in ln)
+    assert float(line.split()[-1]) >= 1
+    assert "streamkit_broker_reads_open" in text
+    assert pb.Status.Name(pb.OK) == "OK"
