@@ -13,11 +13,13 @@ import logging
 import os
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 from streamkit.broker import metrics
 from streamkit.broker.replica import Replica
 from streamkit.broker.spool import Spool
+from streamkit.protocol import pb
 from streamkit.protocol.codecs import new_compressor
 
 log = logging.getLogger(__name__)
@@ -26,7 +28,14 @@ _CHUNK = 1 << 20
 
 
 def compress_spool(spool: Spool, out_dir: Path) -> Path:
-    """Write the spool's committed bytes through its codec into a temp file."""
+    """Write the spool's committed bytes through its codec into a temp file.
+
+    An uncompressed (NONE) fragment is the sealed spool file itself: hard-link it.
+    """
+    if spool.codec == pb.NONE:
+        path = out_dir / f".persist-{spool.begin:016x}-{uuid.uuid4().hex}"
+        os.link(spool.data_path, path)
+        return path
     compressor = new_compressor(spool.codec)
     fd, name = tempfile.mkstemp(prefix=".persist-", dir=out_dir)
     with os.fdopen(fd, "wb") as out:

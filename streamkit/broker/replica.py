@@ -146,6 +146,7 @@ class Replica:
     def roll(self) -> None:
         """Close the current spool to appends and start the next at the write head."""
         old = self.spool
+        old.seal()
         self._start_spool(old.end)
         self._on_roll(self, old)
         self.notify()

@@ -175,6 +175,10 @@ class Spool:
         size = min(size, end - offset)
         return os.pread(self._fd, size, offset - self.begin) if size > 0 else b""
 
+    def seal(self) -> None:
+        """Cut off bytes of rolled-back appends: the file becomes exactly [begin, end)."""
+        os.ftruncate(self._fd, self.length)
+
     def start_append(self) -> SpoolAppend:
         return SpoolAppend(self)
 

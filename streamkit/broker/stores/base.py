@@ -61,7 +61,11 @@ class FragmentStore(ABC):
 
     @abstractmethod
     async def put(self, f: pb.Fragment, compressed_path: Path) -> None:
-        """Store the compressed file of `f`; a no-op if the store already has it."""
+        """Store the compressed file of `f`; a no-op if the store already has it.
+
+        The store may adopt the file itself (a hard link), so callers may delete
+        `compressed_path` afterwards but must never modify it in place.
+        """
 
     @abstractmethod
     def open(self, f: pb.Fragment) -> BinaryIO:

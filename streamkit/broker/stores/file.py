@@ -59,6 +59,20 @@ def _make_dirs(path: Path) -> None:
         _fsync_dir(directory.parent)
 
 
+def _stage(source: Path, temp: Path) -> None:
+    """Put a durable copy of `source` at `temp`: a hard link if possible, else a copy."""
+    try:
+        os.link(source, temp)
+    except OSError:
+        with open(temp, "xb") as out, open(source, "rb") as src:
+            shutil.copyfileobj(src, out, _COPY_BUFFER)
+    fd = os.open(temp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class FileStore(FragmentStore):
     """Fragments as files in a local (or mounted) file system."""
 
@@ -112,22 +126,23 @@ class FileStore(FragmentStore):
         await asyncio.to_thread(self._put, f, compressed_path)
 
     def _put(self, f: pb.Fragment, compressed_path: Path) -> None:
-        """Copy to a temporary name, sync, then rename: readers never see a partial file."""
+        """Stage under a temporary name, sync, then rename: readers never see a partial file.
+
+        Staging hard-links the caller's file when it is on the same file system
+        (the broker's scratch dir usually is), which saves copying the fragment.
+        """
         target = self._path(f)
         if target.exists():
             return
         with translate_errors(self, f"writing {target.name}", (OSError,)):
             _make_dirs(target.parent)
-            fd, temp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=target.parent)
+            temp = Path(tempfile.mktemp(prefix=TEMP_PREFIX, dir=target.parent))
             try:
-                with os.fdopen(fd, "wb") as out, open(compressed_path, "rb") as src:
-                    shutil.copyfileobj(src, out, _COPY_BUFFER)
-                    out.flush()
-                    os.fsync(out.fileno())
+                _stage(compressed_path, temp)
                 os.chmod(temp, 0o644)
                 os.replace(temp, target)
             except BaseException:
-                Path(temp).unlink(missing_ok=True)
+                temp.unlink(missing_ok=True)
                 raise
             _fsync_dir(target.parent)
 
