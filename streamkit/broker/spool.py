@@ -10,6 +10,9 @@ A spool is two files in the journal's spool directory:
 
 An append writes its content past the committed end, fdatasyncs the spool, then
 appends and fdatasyncs a commit record. Only then is the append acknowledged.
+A small append (at most INLINE_MAX bytes) also carries its content inside the
+commit record, and skips the spool's fdatasync: the log is its write-ahead copy,
+replayed into the spool on recovery. That halves the syncs of small appends.
 Recovery after a crash keeps exactly the prefix named by the last intact commit
 record, so an acknowledged append is always present and an unacknowledged one is
 wholly present or wholly absent.
@@ -30,16 +33,21 @@ from streamkit.protocol import pb
 from streamkit.protocol.fragments import sum_of
 
 # A commit record: end offset, commit time (unix ms), registers length (or
-# NO_REGISTERS when unchanged), then the registers bytes and a CRC-32 of it all.
-_HEAD = struct.Struct("<qQI")
+# NO_REGISTERS when unchanged), inline content length, then the registers
+# bytes, the inline content (the append's bytes, ending at `end`) and a CRC-32
+# of it all.
+_HEAD = struct.Struct("<qQII")
 _CRC = struct.Struct("<I")
 NO_REGISTERS = 0xFFFFFFFF
+INLINE_MAX = 16 << 10
 
 
-def _encode_record(end: int, when_ms: int, registers: pb.LabelSet | None) -> bytes:
+def _encode_record(
+    end: int, when_ms: int, registers: pb.LabelSet | None, inline: bytes = b""
+) -> bytes:
     body = b"" if registers is None else registers.SerializeToString()
     size = NO_REGISTERS if registers is None else len(body)
-    head = _HEAD.pack(end, when_ms, size) + body
+    head = _HEAD.pack(end, when_ms, size, len(inline)) + body + inline
     return head + _CRC.pack(zlib.crc32(head))
 
 
@@ -51,27 +59,32 @@ class CommitLog:
     registers: pb.LabelSet | None
     first_append_ms: int  # commit time of the first record that added bytes; 0 if none
     valid_bytes: int  # length of the intact prefix of the log file
+    inline: list[tuple[int, bytes]]  # (offset, content) of appends carried in the log
 
 
 def read_commit_log(path: Path, begin: int) -> CommitLog:
     """Scan a commit log, stopping at the first torn or corrupt record."""
     data = path.read_bytes() if path.exists() else b""
-    pos, end, registers, first_ms = 0, begin, None, 0
+    log = CommitLog(end=begin, registers=None, first_append_ms=0, valid_bytes=0, inline=[])
+    pos = 0
     while pos + _HEAD.size + _CRC.size <= len(data):
-        rec_end, when_ms, size = _HEAD.unpack_from(data, pos)
-        body_len = 0 if size == NO_REGISTERS else size
-        stop = pos + _HEAD.size + body_len
+        rec_end, when_ms, size, inline_len = _HEAD.unpack_from(data, pos)
+        regs_len = 0 if size == NO_REGISTERS else size
+        stop = pos + _HEAD.size + regs_len + inline_len
         if stop + _CRC.size > len(data):
             break
         (crc,) = _CRC.unpack_from(data, stop)
-        if crc != zlib.crc32(data[pos:stop]) or rec_end < end:
+        if crc != zlib.crc32(data[pos:stop]) or rec_end - inline_len < log.end:
             break
         if size != NO_REGISTERS:
-            registers = pb.LabelSet.FromString(data[pos + _HEAD.size : stop])
-        if rec_end > end and not first_ms:
-            first_ms = when_ms
-        end, pos = rec_end, stop + _CRC.size
-    return CommitLog(end=end, registers=registers, first_append_ms=first_ms, valid_bytes=pos)
+            log.registers = pb.LabelSet.FromString(data[pos + _HEAD.size : stop - inline_len])
+        if inline_len:
+            log.inline.append((rec_end - inline_len, data[stop - inline_len : stop]))
+        if rec_end > log.end and not log.first_append_ms:
+            log.first_append_ms = when_ms
+        log.end, pos = rec_end, stop + _CRC.size
+        log.valid_bytes = pos
+    return log
 
 
 def _fsync_dir(path: Path) -> None:
@@ -130,6 +143,10 @@ class Spool:
         spool = cls(journal=journal, directory=data_path.parent, begin=begin, codec=codec)
         spool._open(truncate=False)
         os.ftruncate(spool._log_fd, log.valid_bytes)
+        for offset, content in log.inline:  # small appends whose spool write was not synced
+            os.pwrite(spool._fd, content, offset - begin)
+        if log.inline:
+            os.fdatasync(spool._fd)
         if os.fstat(spool._fd).st_size < log.end - begin:
             raise OSError(f"spool {data_path} is shorter than its committed end {log.end}")
         os.ftruncate(spool._fd, log.end - begin)
@@ -204,6 +221,7 @@ class SpoolAppend:
         self.length = 0
         self._spool_sha1 = spool._sha1.copy()
         self._sha1 = hashlib.sha1()
+        self._small: list[bytes] | None = []  # content kept while it may go inline
 
     def write(self, data: bytes) -> None:
         spool = self.spool
@@ -211,6 +229,10 @@ class SpoolAppend:
         self.length += len(data)
         self._spool_sha1.update(data)
         self._sha1.update(data)
+        if self._small is not None:
+            self._small.append(data)
+            if self.length > INLINE_MAX:
+                self._small = None
 
     async def commit(self, registers: pb.LabelSet | None) -> pb.Fragment:
         """Make the append durable, then visible. Returns the committed span.
@@ -222,8 +244,10 @@ class SpoolAppend:
         end = self.begin + self.length
         now_ms = int(time.time() * 1000)
         if self.length or registers is not None:
-            record = _encode_record(end, now_ms, registers)
-            await asyncio.to_thread(_sync_commit, spool._fd, spool._log_fd, record, self.length)
+            inline = b"".join(self._small) if self._small is not None else b""
+            record = _encode_record(end, now_ms, registers, inline)
+            sync_spool = self.length > len(inline)
+            await asyncio.to_thread(_sync_commit, spool._fd, spool._log_fd, record, sync_spool)
         spool.end = end
         spool._sha1 = self._spool_sha1
         if self.length and not spool.first_append_ms:
@@ -238,8 +262,8 @@ class SpoolAppend:
         )
 
 
-def _sync_commit(fd: int, log_fd: int, record: bytes, content_length: int) -> None:
-    if content_length:
+def _sync_commit(fd: int, log_fd: int, record: bytes, sync_spool: bool) -> None:
+    if sync_spool:
         os.fdatasync(fd)
     os.write(log_fd, record)
     os.fdatasync(log_fd)
