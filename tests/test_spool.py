@@ -17,7 +17,7 @@ JOURNAL = "spool/test"
 async def _append(spool: Spool, *chunks: bytes, registers: pb.LabelSet | None = None) -> None:
     txn = spool.start_append()
     for chunk in chunks:
-        txn.write(chunk)
+        await txn.write(chunk)
     await txn.commit(registers)
 
 
@@ -67,7 +67,7 @@ async def test_uncommitted_bytes_past_the_end_are_cut_off(tmp_path: Path) -> Non
     spool = Spool.create(JOURNAL, tmp_path, 0, pb.NONE, pb.LabelSet())
     await _append(spool, b"committed\n")
     txn = spool.start_append()
-    txn.write(b"x" * 100_000)  # never committed
+    await txn.write(b"x" * 100_000)  # never committed
     recovered = _recover(spool)
     assert os.path.getsize(recovered.data_path) == len(b"committed\n")
     assert _content(recovered) == b"committed\n"

@@ -64,7 +64,7 @@ async def append(
         txn = replica.spool.start_append()
         chunks = 0
         async for chunk in content:
-            txn.write(chunk)
+            await txn.write(chunk)
             chunks += 1
         registers = _new_registers(replica, request) if txn.length else None
         commit = await txn.commit(registers)

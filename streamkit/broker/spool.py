@@ -40,6 +40,7 @@ _HEAD = struct.Struct("<qQII")
 _CRC = struct.Struct("<I")
 NO_REGISTERS = 0xFFFFFFFF
 INLINE_MAX = 16 << 10
+_OFFLOAD_BYTES = 64 << 10  # chunks at least this large are written off the event loop
 
 
 def _encode_record(
@@ -222,17 +223,34 @@ class SpoolAppend:
         self._spool_sha1 = spool._sha1.copy()
         self._sha1 = hashlib.sha1()
         self._small: list[bytes] | None = []  # content kept while it may go inline
+        self._in_flight: asyncio.Future[None] | None = None
 
-    def write(self, data: bytes) -> None:
-        spool = self.spool
-        os.pwrite(spool._fd, data, self.begin - spool.begin + self.length)
+    async def write(self, data: bytes) -> None:
+        """Write a chunk past the committed end and fold it into both checksums.
+
+        A large chunk is written and hashed by a worker thread (pwrite and SHA-1
+        release the GIL) while the event loop receives the next one; at most one
+        chunk of an append is in flight, which keeps order and bounds memory.
+        """
+        if self._in_flight is not None:
+            await self._in_flight
+            self._in_flight = None
+        at = self.length
         self.length += len(data)
-        self._spool_sha1.update(data)
-        self._sha1.update(data)
+        if len(data) < _OFFLOAD_BYTES:
+            self._write(data, at)
+        else:
+            loop = asyncio.get_running_loop()
+            self._in_flight = loop.run_in_executor(None, self._write, data, at)
         if self._small is not None:
             self._small.append(data)
             if self.length > INLINE_MAX:
                 self._small = None
+
+    def _write(self, data: bytes, at: int) -> None:
+        os.pwrite(self.spool._fd, data, self.begin - self.spool.begin + at)
+        self._spool_sha1.update(data)
+        self._sha1.update(data)
 
     async def commit(self, registers: pb.LabelSet | None) -> pb.Fragment:
         """Make the append durable, then visible. Returns the committed span.
@@ -240,6 +258,8 @@ class SpoolAppend:
         `registers` is the journal's new register set if this append changed
         it, else None.
         """
+        if self._in_flight is not None:
+            await self._in_flight
         spool = self.spool
         end = self.begin + self.length
         now_ms = int(time.time() * 1000)
