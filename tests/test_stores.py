@@ -7,13 +7,10 @@ import logging
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
-import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 
 from streamkit.broker.stores import FileStore, FragmentStore, StoreError, open_store
 from streamkit.broker.stores.file import TEMP_PREFIX
@@ -21,48 +18,13 @@ from streamkit.broker.stores.s3 import S3Store
 from streamkit.protocol import pb
 from streamkit.protocol.codecs import new_compressor, open_decompressed
 from streamkit.protocol.fragments import content_name, content_path, fragment_url, sum_of
+from tests.s3server import BUCKET
 
-BUCKET = "streamkit-fragments"
 JOURNAL = "examples/words/part-000"
 ALL_CODECS = [pb.NONE, pb.GZIP, pb.ZSTANDARD, pb.SNAPPY, pb.GZIP_OFFLOAD_DECOMPRESSION]
-TEST_KEYS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
 
 
 # --- fixtures ----------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    """A real S3-compatible HTTP server (moto) on a free loopback port, with one bucket."""
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    try:
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **TEST_KEYS)
-        client.create_bucket(Bucket=BUCKET)
-        yield endpoint
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Credentials through boto3's usual chain (the environment), and nothing else from the host."""
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", TEST_KEYS["aws_access_key_id"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_KEYS["aws_secret_access_key"])
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-
-
-@pytest.fixture
-def s3_url(s3_endpoint: str, aws_env: None) -> str:
-    """A store URL with a prefix of its own, so tests never see each other's fragments."""
-    return f"s3://{BUCKET}/{uuid.uuid4().hex}/?endpoint={s3_endpoint}&region=us-east-1"
 
 
 @pytest.fixture(params=["file", "s3"])
