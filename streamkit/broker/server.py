@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
 import time
@@ -94,9 +93,12 @@ class Broker:
             ]
         )
         pb_grpc.add_JournalServicer_to_server(self.service, self.server)
-        bound = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        try:
+            bound = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        except RuntimeError:
+            bound = 0
         if bound == 0:
-            raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
+            raise OSError(f"cannot listen on {cfg.host}:{cfg.port} (is the port in use?)")
         await self.server.start()
         if cfg.gateway_port:
             self.gateway = HttpGateway(self.registry, self.service)
@@ -161,8 +163,4 @@ class Broker:
 
 def serve(config: BrokerConfig) -> None:
     """Run a broker in this process until it is signalled to stop."""
-    logging.basicConfig(
-        level=os.environ.get("STREAMKIT_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     asyncio.run(Broker(config).run())

@@ -7,6 +7,8 @@ from pathlib import Path
 import click
 
 from streamkit.broker.server import DEFAULT_PORT, BrokerConfig, serve
+from streamkit.cli.logs import configure_logging
+from streamkit.keyspace import KeySpaceError
 
 
 @click.group()
@@ -27,8 +29,20 @@ def broker() -> None:
               help="Root of file:/// store URLs [default: DATA_DIR/fragments].")
 @click.option("--keyspace", default=None,
               help="KeySpace URL for journal specs [default: DATA_DIR/keyspace.db].")
+@click.option("--log-level", default="INFO", show_default=True, envvar="STREAMKIT_LOG_LEVEL",
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option("--log-format", default="text", show_default=True, envvar="STREAMKIT_LOG_FORMAT",
+              type=click.Choice(["text", "json"]), help="json: one structured object per line.")
 def serve_cmd(data_dir: Path, port: int, http_port: int | None, host: str,
-              file_root: Path | None, keyspace: str | None) -> None:
+              file_root: Path | None, keyspace: str | None, log_level: str,
+              log_format: str) -> None:
     """Serve journals until SIGTERM or Ctrl-C."""
-    serve(BrokerConfig(data_dir=data_dir.resolve(), port=port, http_port=http_port, host=host,
-                       file_root=file_root.resolve() if file_root else None, keyspace=keyspace))
+    configure_logging(log_level, log_format)
+    config = BrokerConfig(data_dir=data_dir.resolve(), port=port, http_port=http_port, host=host,
+                          file_root=file_root.resolve() if file_root else None, keyspace=keyspace)
+    try:
+        serve(config)
+    except (OSError, RuntimeError, KeySpaceError) as err:
+        # Startup problems (port taken, unwritable data dir, bad keyspace URL) are the
+        # user's to fix: say what and where, without a traceback.
+        raise click.ClickException(f"broker could not start: {err}") from None

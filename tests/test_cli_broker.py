@@ -1,0 +1,36 @@
+"""`streamkit broker serve` as a user runs it: startup errors and structured logs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.brokerproc import BrokerProcess
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "streamkit.cli.main", "broker", "serve", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+
+
+def test_port_in_use_is_one_clear_line(broker_proc: BrokerProcess, tmp_path: Path) -> None:
+    result = _serve("--data-dir", str(tmp_path / "other"), "--port", str(broker_proc.port))
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert f"cannot listen on 127.0.0.1:{broker_proc.port}" in result.stderr
+
+
+def test_bad_keyspace_url_is_one_clear_line(tmp_path: Path) -> None:
+    result = _serve("--data-dir", str(tmp_path), "--port", "1", "--keyspace", "mystery://x")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "mystery://x" in result.stderr
+
+
+def test_json_logs_are_one_object_per_line(tmp_path: Path) -> None:
+    broker = BrokerProcess(tmp_path / "broker", extra_args=["--log-format", "json"]).start()
+    assert broker.terminate() == 0
+    lines = [json.loads(line) for line in broker.log().splitlines() if line.strip()]
+    assert any(entry["msg"] == "broker stopped" for entry in lines)
+    assert all({"ts", "level", "logger", "msg"} <= entry.keys() for entry in lines)
