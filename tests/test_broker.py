@@ -250,3 +250,43 @@ def test_replicate_is_declared_but_unimplemented(journals) -> None:
     with pytest.raises(grpc.RpcError) as err:
         list(journals.Replicate(iter([pb.ReplicateRequest()])))
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_missing_range_becomes_an_offset_jump(shared_broker, journals, request) -> None:
+    name = _name(request)
+    wire.create(journals, wire.spec(name, length=1024, codec=pb.NONE))
+    for block in (b"a" * 1500, b"b" * 1500, b"c" * 100):
+        wire.append(journals, name, block)
+    persisted = wire.wait_until(
+        lambda: [f for f in wire.fragments(journals, name) if f.backing_store][:2]
+        if sum(bool(f.backing_store) for f in wire.fragments(journals, name)) >= 2 else None
+    )
+    first = persisted[0]
+    # Delete the first fragment behind the broker's back; the next refresh drops it.
+    store_dir = shared_broker.data_dir / "fragments" / name
+    next(store_dir.glob(f"{first.begin:016x}-*")).unlink()
+    wire.wait_until(lambda: wire.fragments(journals, name)[0].begin == first.end)
+    content, metadata = wire.read(journals, name, offset=0)
+    assert metadata[0].offset == first.end  # jumped over the missing range
+    assert content == b"b" * 1500 + b"c" * 100
+
+
+def test_list_watch_sends_a_snapshot_after_each_change(journals, request) -> None:
+    base = _name(request, "/")
+    wire.create(journals, wire.spec(base + "one"))
+    selector = parse_selector(f"prefix={base}")
+    stream = journals.List(pb.ListRequest(selector=selector, watch=True))
+    snapshots, current = [], []
+    for response in stream:
+        if response.journals:
+            current.extend(j.spec.name for j in response.journals)
+            continue
+        snapshots.append(current)  # an empty response ends a snapshot
+        current = []
+        if len(snapshots) == 1:
+            wire.create(journals, wire.spec(base + "two"))
+        elif base + "two" in snapshots[-1]:
+            stream.cancel()
+            break
+    assert snapshots[0] == [base + "one"]
+    assert snapshots[-1] == [base + "one", base + "two"]

@@ -1,0 +1,74 @@
+"""Replica rollover rules and fragment index selection, without a server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from google.protobuf.duration_pb2 import Duration
+
+from streamkit.broker.index import FragmentIndex
+from streamkit.broker.replica import Replica
+from streamkit.protocol import pb
+from tests import wire
+
+
+async def _replica(tmp_path: Path, spec: pb.JournalSpec) -> tuple[Replica, list]:
+    rolled: list = []
+    replica = await Replica.open(spec, tmp_path, [], lambda r, s: rolled.append(s))
+    return replica, rolled
+
+
+async def _append(replica: Replica, data: bytes) -> None:
+    txn = replica.spool.start_append()
+    await txn.write(data)
+    await txn.commit(None)
+    replica.committed(replica.spool)
+
+
+async def test_rolls_when_flush_interval_boundary_passes(tmp_path: Path) -> None:
+    spec = wire.spec("roll/flush", length=1 << 20)
+    spec.fragment.flush_interval.CopyFrom(Duration(seconds=60))
+    replica, rolled = await _replica(tmp_path, spec)
+    await _append(replica, b"x")
+    first_ms = replica.spool.first_append_ms
+    boundary = (first_ms // 60_000 + 1) * 60.0
+    assert not replica.maybe_roll(now=boundary - 0.5)  # same interval: keep going
+    assert replica.maybe_roll(now=boundary + 0.5)  # crossed the minute boundary
+    assert [s.end for s in rolled] == [1] and replica.spool.begin == 1
+    assert not replica.maybe_roll(now=boundary + 120)  # an empty spool never rolls
+
+
+async def test_rolls_at_fragment_length_and_recovers_rolled_spools(tmp_path: Path) -> None:
+    spec = wire.spec("roll/length", length=1024)
+    replica, _rolled = await _replica(tmp_path, spec)
+    await _append(replica, b"a" * 1000)
+    assert not replica.maybe_roll()
+    await _append(replica, b"b" * 100)  # a fragment may overshoot by one append
+    assert replica.maybe_roll() and replica.spool.begin == 1100
+    replica.close()
+    # Reopened: the rolled spool is handed back for persisting, the open one resumes.
+    reopened, rolled_again = await _replica(tmp_path, spec)
+    assert [(s.begin, s.end) for s in rolled_again] == [(0, 1100)]
+    assert (reopened.spool.begin, reopened.write_head) == (1100, 1100)
+
+
+def _fragment(begin: int, end: int, store: str = "") -> pb.Fragment:
+    return pb.Fragment(journal="j/x", begin=begin, end=end, backing_store=store)
+
+
+def test_index_prefers_the_longest_cover_then_local() -> None:
+    index = FragmentIndex()
+    for f in (_fragment(0, 100, "s"), _fragment(0, 300, "s"), _fragment(100, 300),
+              _fragment(500, 600, "s"), _fragment(300, 400)):
+        index.add(f)
+    assert index.query(50).fragment.end == 300
+    hit = index.query(150).fragment  # equal reach: the local spool wins (no decompression)
+    assert (hit.begin, hit.end, hit.backing_store) == (100, 300, "")
+    index.add(_fragment(100, 300))  # same local entry again: replaced, not duplicated
+    assert len(index) == 5
+    assert index.query(350).fragment.begin == 300
+    jump = index.query(420)
+    assert (jump.offset, jump.fragment.begin) == (500, 500)
+    assert index.query(600) is None
+    index.add(_fragment(300, 450))  # the local spool grew
+    assert index.query(420).fragment.end == 450 and len(index) == 5
