@@ -90,14 +90,16 @@ class JournalService(pb_grpc.JournalServicer):
             await self._abort(context, "List", err)
         while True:
             changed = self.registry.changed()
-            for response in self._list_snapshot(request.selector):
+            for response in self._list_snapshot(request.selector, request.watch):
                 yield response
             if not request.watch:
                 return
             yield pb.ListResponse(status=pb.OK, header=self.header())  # ends the snapshot
             await changed.wait()
 
-    def _list_snapshot(self, selector: pb.LabelSelector) -> list[pb.ListResponse]:
+    def _list_snapshot(self, selector: pb.LabelSelector, watch: bool) -> list[pb.ListResponse]:
+        """A listing in chunks. A plain List always answers at least one message; under
+        watch an empty snapshot is just its empty terminator, so the two can't be confused."""
         selected = []
         for name in sorted(self.registry.entries):
             entry = self.registry.entries[name]
@@ -113,7 +115,7 @@ class JournalService(pb_grpc.JournalServicer):
         chunks = [selected[i : i + LIST_CHUNK] for i in range(0, len(selected), LIST_CHUNK)]
         return [
             pb.ListResponse(status=pb.OK, header=self.header(), journals=chunk)
-            for chunk in chunks or [[]]
+            for chunk in chunks or ([] if watch else [[]])
         ]
 
     # --- Apply ------------------------------------------------------------

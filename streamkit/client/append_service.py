@@ -1,0 +1,446 @@
+"""AppendService: asynchronous, batched, ordered and retried appends.
+
+Per journal the service keeps a FIFO queue of AsyncAppends, served by one
+task that sends them in order, one Append RPC each. While an RPC is in
+flight, new writes to that journal gather in the queue's tail, so many
+small co-occurring appends coalesce into one RPC (Gazette's design). Each
+AsyncAppend buffers its content in a temporary file rather than memory,
+which keeps the heap small and rides out long broker outages, and it can be
+replayed as often as retries need.
+
+Ordering across journals is expressed with dependencies: an append starts
+only after the OpFutures it depends on have committed, and fails with a
+dependency's error if one failed. A failure other than a transport one
+fails the journal's queue for good (later appends fail with the same
+error), so nothing written after a failed append can commit out of order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import tempfile
+from collections import deque
+from collections.abc import Generator, Iterable, Iterator
+from types import TracebackType
+from typing import IO, Any
+
+from streamkit.client.appender import CHUNK_SIZE, append_with_retries
+from streamkit.client.broker_client import BrokerClient
+from streamkit.client.errors import describe
+from streamkit.protocol import pb
+
+__all__ = ["AppendService", "AsyncAppend", "OpFuture", "ServiceClosed"]
+
+log = logging.getLogger(__name__)
+
+MAX_APPEND_SIZE = 8 << 20  # an AsyncAppend this large takes no more writes
+_FILE_BUFFER = 1 << 20  # write buffer of each AsyncAppend's temporary file
+_SPARE_FILES = 4  # emptied temporary files kept for reuse
+_YIELD_EVERY = 256 << 10  # bytes `append` buffers before letting other tasks run
+
+
+class ServiceClosed(RuntimeError):
+    """The AppendService was closed before this append could be sent."""
+
+
+class OpFuture:
+    """The outcome of an asynchronous operation: an AppendResponse, or an error.
+
+    Await it for the response (raising the error), or poll `done()`,
+    `result()` and `exception()`. Many appends batched into one RPC share
+    one OpFuture, whose response describes the whole batch's commit.
+    """
+
+    __slots__ = ("_future",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._future: asyncio.Future[pb.AppendResponse] = (
+            loop or asyncio.get_running_loop()
+        ).create_future()
+
+    @classmethod
+    def finished(
+        cls, error: BaseException | None = None, response: pb.AppendResponse | None = None
+    ) -> OpFuture:
+        """An already resolved OpFuture (Gazette's FinishedOperation)."""
+        op = cls()
+        if error is None:
+            op._resolve(response or pb.AppendResponse(status=pb.OK))
+        else:
+            op._fail(error)
+        return op
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> pb.AppendResponse:
+        """The response; raises the failure, or InvalidStateError if not yet done."""
+        return self._future.result()
+
+    def exception(self) -> BaseException | None:
+        return self._future.exception()
+
+    def succeeded(self) -> bool:
+        return self._future.done() and self._future.exception() is None
+
+    def __await__(self) -> Generator[Any, None, pb.AppendResponse]:
+        # Shielded: a cancelled awaiter must not cancel an outcome others share.
+        return asyncio.shield(self._future).__await__()
+
+    async def wait(self) -> None:
+        """Wait until done, without raising its error."""
+        if not self._future.done():
+            await asyncio.wait((self._future,))
+
+    def _resolve(self, response: pb.AppendResponse) -> None:
+        if not self._future.done():
+            self._future.set_result(response)
+
+    def _fail(self, error: BaseException) -> None:
+        if not self._future.done():
+            if isinstance(error, asyncio.CancelledError):
+                error = ServiceClosed(f"cancelled: {error}")
+            self._future.set_exception(error)
+            self._future.exception()  # retrieved: the service logs failures itself
+
+
+class AsyncAppend:
+    """Content queued for one journal, sent as one Append RPC once released.
+
+    From `start_append` until `release`, the caller has it to itself: it
+    `write`s content, may `require` that an error is None, and then
+    `release`s it. If a required error was set, release rolls back exactly
+    this caller's writes and raises it. Use as a context manager to release
+    on exit and roll back on an exception.
+    """
+
+    __slots__ = (
+        "_dispatching",
+        "_error",
+        "_file",
+        "_held",
+        "_mark",
+        "_queue",
+        "_release_waiter",
+        "_size",
+        "dependencies",
+        "future",
+        "journal",
+    )
+
+    def __init__(
+        self,
+        queue: _JournalQueue,
+        dependencies: frozenset[OpFuture],
+        file: IO[bytes] | None,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.journal = queue.journal
+        self.dependencies = dependencies
+        self.future = OpFuture(loop)
+        self._queue = queue
+        self._file = file  # None when the journal already failed: writes are dropped
+        self._size = 0
+        self._mark = 0  # size when the current holder's start_append returned
+        self._held = False
+        self._dispatching = False
+        self._error: BaseException | None = None
+        self._release_waiter: asyncio.Future[None] | None = None
+
+    @property
+    def size(self) -> int:
+        """Bytes of content queued so far."""
+        return self._size
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Queue `data` (buffered in a temporary file)."""
+        file = self._file
+        if file is not None:
+            file.write(data)
+            self._size += len(data)
+
+    def require(self, error: BaseException | None) -> AsyncAppend:
+        """Remember a non-None `error`: release will roll back and raise it."""
+        if error is not None and self._error is None:
+            self._error = error
+        return self
+
+    def release(self) -> None:
+        """Hand the append over for dispatch (or roll back and raise a required error)."""
+        if not self._held:
+            raise RuntimeError(f"append to {self.journal} is not held (released twice?)")
+        error, self._error = self._error, None
+        if error is not None:
+            self._truncate(self._mark)
+        self._held = False
+        self._queue.released(self)
+        waiter = self._release_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        if error is not None:
+            raise error
+
+    def _truncate(self, size: int) -> None:
+        if self._file is not None:
+            self._file.seek(size)
+            self._file.truncate()
+            self._size = size
+
+    def __enter__(self) -> AsyncAppend:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            self._error = None
+            self.require(exc)
+            with contextlib.suppress(BaseException):
+                self.release()  # rolls back; the original exception propagates
+            return
+        self.release()
+
+    async def _released(self) -> None:
+        # A loop: another caller may take the tail again before the dispatcher runs.
+        while self._held:
+            self._release_waiter = asyncio.get_running_loop().create_future()
+            await self._release_waiter
+
+    def _chunks(self) -> Iterator[bytes]:
+        """The content, read back from the file (again for every retry)."""
+        file = self._file
+        assert file is not None
+        file.flush()
+        fd, size = file.fileno(), self._size
+        for position in range(0, size, CHUNK_SIZE):
+            yield os.pread(fd, min(CHUNK_SIZE, size - position), position)
+
+
+class _JournalQueue:
+    """The AsyncAppends of one journal, in dispatch order, and its dispatch task."""
+
+    __slots__ = ("appends", "error", "journal", "open_tails", "task")
+
+    def __init__(self, journal: str, open_tails: dict[str, AsyncAppend]) -> None:
+        self.journal = journal
+        self.appends: deque[AsyncAppend] = deque()
+        self.error: BaseException | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.open_tails = open_tails  # the service's fast-path index
+
+    def released(self, append: AsyncAppend) -> None:
+        """A released, undispatched tail can take more writes without a start_append."""
+        if (
+            self.appends
+            and self.appends[-1] is append
+            and not append._dispatching
+            and self.error is None
+        ):
+            self.open_tails[self.journal] = append
+
+
+class AppendService:
+    """Batches, orders, dispatches and retries appends to many journals.
+
+    `await service.append(journal, data)` is the cheap, common call. For
+    content written piecewise, or to roll back on an error, use
+    `start_append` / `write` / `release`. Close the service (or use
+    `async with`) to flush everything and stop its tasks.
+    """
+
+    def __init__(self, client: BrokerClient, *, max_append_size: int = MAX_APPEND_SIZE) -> None:
+        self.client = client
+        self.max_append_size = max_append_size
+        self._queues: dict[str, _JournalQueue] = {}
+        # journal -> its tail when released and undispatched: `append` writes straight into it.
+        self._open_tails: dict[str, AsyncAppend] = {}
+        self._spare_files: list[IO[bytes]] = []
+        self._budget = _YIELD_EVERY
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def __aenter__(self) -> AppendService:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # --- producing --------------------------------------------------------
+
+    async def append(
+        self,
+        journal: str,
+        data: bytes | bytearray | memoryview,
+        dependencies: Iterable[OpFuture] = (),
+    ) -> OpFuture:
+        """Queue `data` as (part of) an append to `journal`; returns its OpFuture."""
+        tail = None if dependencies else self._open_tails.get(journal)
+        if tail is not None and tail._size < self.max_append_size:
+            tail._file.write(data)  # type: ignore[union-attr]  # open tails have files
+            tail._size += len(data)
+        else:
+            tail = self.start_append(journal, dependencies)
+            tail.write(data)
+            tail.release()
+        # Producers that never wait would starve the dispatch tasks: yield now and then.
+        self._budget -= len(data)
+        if self._budget < 0:
+            self._budget = _YIELD_EVERY
+            await asyncio.sleep(0)
+        return tail.future
+
+    def start_append(self, journal: str, dependencies: Iterable[OpFuture] = ()) -> AsyncAppend:
+        """Hold an AsyncAppend of `journal` to write into; `release` it when done.
+
+        It is the journal's undispatched tail when that has room and already
+        waits for these dependencies (so writes batch), else a new one.
+        """
+        if self._closed:
+            raise ServiceClosed("the AppendService is closed")
+        loop = self._loop or self._bind_loop()
+        queue = self._queues.get(journal)
+        if queue is None:
+            queue = self._queues[journal] = _JournalQueue(journal, self._open_tails)
+        deps = frozenset(d for d in dependencies if not d.succeeded())
+        if queue.error is not None:
+            append = AsyncAppend(queue, deps, None, loop)
+            append.future._fail(queue.error)
+        else:
+            append = queue.appends[-1] if queue.appends else None
+            if (
+                append is None
+                or append._held
+                or append._dispatching
+                or append._size >= self.max_append_size
+                or not deps <= append.dependencies
+            ):
+                append = AsyncAppend(queue, deps, self._take_file(), loop)
+                queue.appends.append(append)
+                if queue.task is None:
+                    queue.task = loop.create_task(self._serve(queue))
+            self._open_tails.pop(journal, None)
+        append._held = True
+        append._mark = append._size
+        return append
+
+    def pending_except(self, journal: str) -> list[OpFuture]:
+        """OpFutures covering every unfinished append to other journals (a barrier).
+
+        A journal's last queued append commits after all before it, so its
+        future stands for the whole queue. Failed journals contribute a
+        failed OpFuture, so dependents fail as well.
+        """
+        futures = []
+        for name, queue in self._queues.items():
+            if name == journal:
+                continue
+            if queue.error is not None:
+                futures.append(OpFuture.finished(queue.error))
+            elif queue.appends:
+                futures.append(queue.appends[-1].future)
+        return futures
+
+    async def flush(self) -> None:
+        """Wait until everything appended so far has committed or failed."""
+        while True:
+            pending = [q.appends[-1].future for q in self._queues.values() if q.appends]
+            if not pending:
+                return
+            for future in pending:
+                await future.wait()
+
+    async def close(self, *, flush: bool = True) -> None:
+        """Stop taking appends, flush them (unless `flush=False`), and stop the tasks."""
+        self._closed = True
+        if flush:
+            await self.flush()
+        for queue in self._queues.values():
+            if queue.task is not None:
+                queue.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await queue.task
+            self._fail_queue(queue, ServiceClosed("the AppendService was closed"), log_it=False)
+        for file in self._spare_files:
+            file.close()
+        self._spare_files.clear()
+
+    # --- dispatching ------------------------------------------------------
+
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    async def _serve(self, queue: _JournalQueue) -> None:
+        """Send the queue's appends in order until it is empty or has failed."""
+        try:
+            while queue.appends:
+                append = queue.appends[0]
+                try:
+                    await _await_dependencies(append)
+                    await append._released()
+                    append._dispatching = True
+                    if self._open_tails.get(queue.journal) is append:
+                        del self._open_tails[queue.journal]
+                    response = await self._send(append)
+                except Exception as error:
+                    self._fail_queue(queue, error, log_it=True)
+                    return
+                queue.appends.popleft()
+                append.future._resolve(response)
+                self._recycle(append)
+        finally:
+            queue.task = None
+
+    async def _send(self, append: AsyncAppend) -> pb.AppendResponse:
+        if append._size == 0:
+            return pb.AppendResponse(status=pb.OK)  # everything was rolled back
+        return await append_with_retries(self.client, append.journal, append._chunks)
+
+    def _fail_queue(self, queue: _JournalQueue, error: BaseException, *, log_it: bool) -> None:
+        """Fail every queued append; later appends to the journal fail too."""
+        if log_it:
+            log.warning("appends to %s failed: %s", queue.journal, describe(error))
+        queue.error = queue.error or error
+        self._open_tails.pop(queue.journal, None)
+        while queue.appends:
+            append = queue.appends.popleft()
+            append.future._fail(error)
+            if append._file is not None:
+                append._file.close()
+                append._file = None
+
+    def _take_file(self) -> IO[bytes]:
+        if self._spare_files:
+            return self._spare_files.pop()
+        return tempfile.TemporaryFile(buffering=_FILE_BUFFER)
+
+    def _recycle(self, append: AsyncAppend) -> None:
+        file, append._file = append._file, None
+        if file is None:
+            return
+        if len(self._spare_files) < _SPARE_FILES:
+            file.seek(0)
+            file.truncate()
+            self._spare_files.append(file)
+        else:
+            file.close()
+
+
+async def _await_dependencies(append: AsyncAppend) -> None:
+    """Wait for every dependency; raise the error of the first that failed."""
+    for dependency in append.dependencies:
+        await dependency.wait()
+        error = dependency.exception()
+        if error is not None:
+            raise error
