@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from streamkit.cli.broker import broker
+from streamkit.cli.journals import journals
 
 
 @click.group()
@@ -14,6 +15,7 @@ def cli() -> None:
 
 
 cli.add_command(broker)
+cli.add_command(journals)
 
 
 def main() -> None:

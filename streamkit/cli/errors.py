@@ -1,0 +1,190 @@
+"""Turning failures into one-line messages: the error policy of `streamkit` commands.
+
+A command-line user should see what went wrong and what to do, never a stack
+trace: every expected failure (an unreachable broker, a missing journal, a
+bad spec file, a typo in a selector) becomes a line on stderr starting with
+"streamkit: error:" and a non-zero exit code. Exit code 2 marks a problem with
+the user's input (as click uses it for usage errors), 1 anything else.
+Unexpected exceptions are reported the same way; STREAMKIT_DEBUG=1 adds the
+traceback for bug reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, ParamSpec
+
+import click
+import grpc
+
+from streamkit.broker.stores import StoreError
+from streamkit.client.errors import BrokerError, JournalNotFound
+from streamkit.protocol.labels import SelectorError
+from streamkit.protocol.spec import SpecError
+
+__all__ = [
+    "DATA_ERROR",
+    "FAILURE",
+    "CliError",
+    "async_command",
+    "warn",
+]
+
+FAILURE = 1
+DATA_ERROR = 2  # the user's input (arguments, files, specs) is wrong
+_INTERRUPTED = 130
+_PREFIX = "streamkit: error: "
+
+P = ParamSpec("P")
+
+
+class CliError(Exception):
+    """A failure whose message is already fit for the user."""
+
+    def __init__(self, message: str, exit_code: int = FAILURE) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def warn(message: str) -> None:
+    """A non-fatal notice on stderr (stdout is kept for data)."""
+    click.echo(f"streamkit: warning: {message}", err=True)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _broker_address() -> str:
+    ctx = click.get_current_context(silent=True)
+    return str(ctx.params.get("broker", "")) if ctx is not None else ""
+
+
+def _rpc_error(err: grpc.aio.AioRpcError) -> tuple[list[str], int]:
+    code, details = err.code(), _one_line(err.details() or "")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return [f"cannot reach broker at {_broker_address()}: {details}"], FAILURE
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return [f"the broker rejected the request: {details}"], DATA_ERROR
+    return [f"broker call failed ({code.name}): {details}"], FAILURE
+
+
+def explain(exc: BaseException) -> tuple[list[str], int]:
+    """The message lines and exit code for an expected failure; raises if unexpected."""
+    if isinstance(exc, CliError):
+        return str(exc).splitlines() or [type(exc).__name__], exc.exit_code
+    if isinstance(exc, SpecError):
+        return [_one_line(str(problem)) for problem in exc.problems], DATA_ERROR
+    if isinstance(exc, SelectorError):
+        return [f"bad label selector: {_one_line(str(exc))}"], DATA_ERROR
+    if isinstance(exc, JournalNotFound):
+        return [f"journal not found ({exc.detail or exc.name})"], FAILURE
+    if isinstance(exc, BrokerError):
+        return [f"{exc.detail}: the broker answered {exc.name}"], FAILURE
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return _rpc_error(exc)
+    if isinstance(exc, StoreError):
+        return [_one_line(str(exc))], FAILURE
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f"{exc.filename}: " if exc.filename else ""
+        return [f"{where}{exc.strerror}"], FAILURE
+    raise exc
+
+
+def _exit(lines: list[str], code: int) -> click.exceptions.Exit:
+    for line in lines:
+        click.echo(_PREFIX + line, err=True)
+    return click.exceptions.Exit(code)
+
+
+def _silence_stdout() -> None:
+    """After a closed pipe (`… | head`), stop Python's exit-time flush from complaining."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+@contextlib.contextmanager
+def reporting_errors(interrupt_exit: int = _INTERRUPTED) -> Iterator[None]:
+    """Report any exception escaping the block as "streamkit: error: …" and exit."""
+    try:
+        yield
+    except (click.exceptions.Exit, click.ClickException, click.Abort):
+        raise
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        raise click.exceptions.Exit(interrupt_exit) from None
+    except BrokenPipeError:
+        _silence_stdout()
+        raise click.exceptions.Exit(0) from None
+    except Exception as exc:
+        try:
+            lines, code = explain(exc)
+        except Exception:
+            if os.environ.get("STREAMKIT_DEBUG"):
+                traceback.print_exc()
+            summary = _one_line(f"{type(exc).__name__}: {exc}")
+            lines = [f"unexpected {summary} (run with STREAMKIT_DEBUG=1 for a traceback)"]
+            code = FAILURE
+        raise _exit(lines, code) from None
+
+
+class _LineFormatter(logging.Formatter):
+    """"streamkit: warning: …", matching the look of the CLI's own messages."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return _one_line(f"streamkit: {record.levelname.lower()}: {record.getMessage()}")
+
+
+def _configure_logging() -> None:
+    """Library warnings (retries, skipped gaps) go to stderr, one line each."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_LineFormatter())
+    root.addHandler(handler)
+    # Failed appends reach the command as exceptions, which it reports itself.
+    logging.getLogger("streamkit.client.append_service").setLevel(logging.ERROR)
+    root.setLevel(logging.DEBUG if os.environ.get("STREAMKIT_DEBUG") else logging.WARNING)
+
+
+async def _stoppable(coro: Coroutine[Any, Any, None]) -> None:
+    """Run `coro`, treating SIGTERM like Ctrl-C: cancel it, so cleanups run.
+
+    `timeout 60 streamkit journals read --block --offsets-out …` then still
+    records its offsets, and an append in flight is rolled back, not torn.
+    """
+    task = asyncio.current_task()
+    if task is not None:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    await coro
+
+
+def async_command(
+    *, interrupt_exit: int = _INTERRUPTED
+) -> Callable[[Callable[P, Coroutine[Any, Any, None]]], Callable[P, None]]:
+    """Make an async click callback synchronous, under the error policy above.
+
+    `interrupt_exit` is the exit code after Ctrl-C or SIGTERM: following a
+    journal is ended that way on purpose, so `read` passes 0.
+    """
+
+    def decorate(fn: Callable[P, Coroutine[Any, Any, None]]) -> Callable[P, None]:
+        @functools.wraps(fn)
+        def run(*args: P.args, **kwargs: P.kwargs) -> None:
+            _configure_logging()
+            with reporting_errors(interrupt_exit):
+                asyncio.run(_stoppable(fn(*args, **kwargs)))
+
+        return run
+
+    return decorate

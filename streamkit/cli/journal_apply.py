@@ -1,0 +1,204 @@
+"""`journals apply`: compare a spec file with the broker's journals, then apply the difference.
+
+The file is the desired state; each node's `revision` says which version of
+the journal the user edited (0: "I am creating it", -1: "don't check"). The
+plan is computed client-side so that a dry run can show it and so that a
+stale revision is reported by journal name before anything is written.
+The broker still checks every revision again in one transaction: whatever
+changed between our listing and the Apply fails it as a whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+from streamkit.cli.errors import DATA_ERROR, FAILURE, CliError
+from streamkit.client import BrokerClient, EtcdTransactionFailed, list_journals
+from streamkit.client.listing import apply_journals_in_batches
+from streamkit.protocol import pb
+from streamkit.protocol.spec import JournalSpec, SpecEntry, load_specs
+
+__all__ = ["Action", "apply_specs", "plan_changes"]
+
+NO_CHECK = -1
+_VERBS = {  # verb -> (dry-run form, done form)
+    "create": ("would create", "created"),
+    "update": ("would update", "updated"),
+    "delete": ("would delete", "deleted"),
+    "unchanged": ("unchanged", "unchanged"),
+}
+_RELIST_HINT = "re-run list -o yaml and edit again"
+
+
+@dataclass(frozen=True)
+class Action:
+    """What applying one spec-file entry does to its journal."""
+
+    verb: str
+    name: str
+    current_revision: int  # 0 when the journal doesn't exist
+    change: pb.ApplyRequest.Change | None = None
+    diff: list[str] = field(default_factory=list)
+
+
+def _flat(value: Any, path: str = "") -> dict[str, str]:
+    """A spec's fields as {"fragment.length": "1024", "labels": "a=1,b=2"} for diffs."""
+    if isinstance(value, dict):
+        out: dict[str, str] = {}
+        for key, inner in value.items():
+            out.update(_flat(inner, f"{path}.{key}" if path else key))
+        return out
+    if path == "labels":
+        return {path: ",".join(f"{lbl['name']}={lbl['value']}" for lbl in value) or "(none)"}
+    if isinstance(value, list):
+        return {path: ",".join(map(str, value)) or "(none)"}
+    return {path: str(value)}
+
+
+def spec_diff(old: JournalSpec, new: JournalSpec) -> list[str]:
+    """One "field: old -> new" line per differing field."""
+    before, after = _flat(old.model_dump(mode="json")), _flat(new.model_dump(mode="json"))
+    return [
+        f"{key}: {before.get(key, '(none)')} -> {after.get(key, '(none)')}"
+        for key in sorted(before.keys() | after.keys())
+        if before.get(key) != after.get(key)
+    ]
+
+
+def _stale_message(name: str, expected: int, current: int) -> str:
+    if expected == 0:
+        return (
+            f"journal {name} already exists at revision {current} but the file creates it "
+            f"(revision 0) (ETCD_TRANSACTION_FAILED); {_RELIST_HINT}, or use --upsert"
+        )
+    return f"journal {name} changed since revision {expected} (ETCD_TRANSACTION_FAILED); " + (
+        _RELIST_HINT
+    )
+
+
+def _upsert_action(
+    entry: SpecEntry, current: pb.ListResponse.Journal | None, expected: int
+) -> Action:
+    spec = entry.spec
+    if current is None:
+        change = pb.ApplyRequest.Change(expect_mod_revision=expected, upsert=spec.to_proto())
+        return Action("create", spec.name, 0, change)
+    old = JournalSpec.from_proto(current.spec)
+    if old == spec:
+        return Action("unchanged", spec.name, current.mod_revision)
+    change = pb.ApplyRequest.Change(expect_mod_revision=expected, upsert=spec.to_proto())
+    return Action("update", spec.name, current.mod_revision, change, spec_diff(old, spec))
+
+
+def _delete_action(
+    entry: SpecEntry, current: pb.ListResponse.Journal | None, expected: int
+) -> Action:
+    name = entry.spec.name
+    if current is None:
+        return Action("unchanged", name, 0, diff=["already absent"])
+    if expected == 0:
+        raise CliError(
+            f"journal {name}: deleting needs the revision from `journals list -o yaml` "
+            "(or -1, or --upsert, to skip the check)",
+            DATA_ERROR,
+        )
+    change = pb.ApplyRequest.Change(expect_mod_revision=expected, delete=name)
+    return Action("delete", name, current.mod_revision, change)
+
+
+def plan_changes(
+    entries: Iterable[SpecEntry],
+    current: Mapping[str, pb.ListResponse.Journal],
+    *,
+    upsert: bool = False,
+) -> list[Action]:
+    """The action for each entry; raises CliError listing every stale revision."""
+    actions, stale = [], []
+    for entry in entries:
+        expected = NO_CHECK if upsert else entry.revision
+        journal = current.get(entry.spec.name)
+        make = _delete_action if entry.delete else _upsert_action
+        action = make(entry, journal, expected)
+        if action.change is not None and expected not in (NO_CHECK, action.current_revision):
+            stale.append(_stale_message(action.name, expected, action.current_revision))
+        actions.append(action)
+    if stale:
+        raise CliError("\n".join(stale), FAILURE)
+    return actions
+
+
+def _echo_actions(
+    actions: list[Action], after: Mapping[str, pb.ListResponse.Journal] | None
+) -> None:
+    """One line per action; `after` is the listing after applying (None for a dry run)."""
+    for action in actions:
+        verb = _VERBS[action.verb][0 if after is None else 1]
+        revision = action.current_revision
+        if after is not None and action.verb in ("create", "update") and action.name in after:
+            revision = after[action.name].mod_revision
+        was = "was " if after is not None and action.verb == "delete" else ""
+        at = f" ({was}revision {revision})" if revision else ""
+        click.echo(f"{verb} {action.name}{at}")
+        for line in action.diff:
+            click.echo(f"    {line}")
+
+
+def _summary(actions: list[Action], *, dry_run: bool) -> str:
+    counts = ", ".join(
+        f"{sum(a.verb == verb for a in actions)} {done}" for verb, (_, done) in _VERBS.items()
+    )
+    return f"dry run, nothing applied: {counts}" if dry_run else counts
+
+
+async def _current(client: BrokerClient) -> dict[str, pb.ListResponse.Journal]:
+    return {journal.spec.name: journal for journal in await list_journals(client)}
+
+
+async def _explain_conflict(
+    client: BrokerClient, entries: list[SpecEntry], upsert: bool
+) -> NoReturn:
+    """The broker refused a revision: list again to name the journals that moved."""
+    plan_changes(entries, await _current(client), upsert=upsert)  # raises naming them
+    raise CliError(
+        f"journals changed while applying (ETCD_TRANSACTION_FAILED); {_RELIST_HINT}"
+    )
+
+
+def read_spec_file(path: str) -> list[SpecEntry]:
+    """Load and validate a spec file ("-" for stdin); SpecError lists every problem."""
+    source = "<stdin>" if path == "-" else path
+    try:
+        text = click.get_text_stream("stdin").read() if path == "-" else Path(path).read_text()
+    except OSError as err:
+        raise CliError(f"cannot read spec file {source}: {err.strerror}", DATA_ERROR) from None
+    except UnicodeDecodeError as err:
+        raise CliError(f"cannot read spec file {source}: not UTF-8 text ({err.reason})",
+                       DATA_ERROR) from None
+    return load_specs(text, source)
+
+
+async def apply_specs(
+    client: BrokerClient,
+    entries: list[SpecEntry],
+    *,
+    dry_run: bool,
+    upsert: bool,
+    max_txn_size: int,
+) -> None:
+    """Plan, print and (unless `dry_run`) apply the changes of `entries`."""
+    current = await _current(client)
+    actions = plan_changes(entries, current, upsert=upsert)
+    changes = [action.change for action in actions if action.change is not None]
+    if changes and not dry_run:
+        try:
+            await apply_journals_in_batches(client, changes, max_txn_size)
+        except EtcdTransactionFailed:
+            await _explain_conflict(client, entries, upsert)
+        current = await _current(client)  # for the new revisions
+    _echo_actions(actions, None if dry_run else current)
+    click.echo(_summary(actions, dry_run=dry_run) if actions else "no journals in the file")

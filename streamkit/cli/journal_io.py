@@ -1,0 +1,316 @@
+"""`journals append` and `journals read`: moving bytes between stdio and journals.
+
+Appends come in two framings. With "none" the whole input is one append: it
+becomes visible atomically or not at all. With "lines" every line is a
+record that lands whole in exactly one journal, chosen by a mapping; lines
+are batched through an AppendService, so many lines share one RPC.
+
+Reads copy journal content to stdout as it arrives. Broker chunks don't
+respect record boundaries, so for line-oriented journals (by their
+content-type label) output is held back to the last newline; that keeps
+lines whole when several journals are followed into one stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import zlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import click
+
+from streamkit.cli.errors import DATA_ERROR, CliError, warn
+from streamkit.cli.output import plural
+from streamkit.client import (
+    AppendService,
+    BrokerClient,
+    OffsetJump,
+    OffsetNotYetAvailable,
+    OpFuture,
+    Reader,
+    RetryReader,
+)
+from streamkit.client.appender import CHUNK_SIZE, append_with_retries
+from streamkit.protocol import pb
+
+__all__ = [
+    "MAPPINGS",
+    "append_lines",
+    "append_raw",
+    "is_line_oriented",
+    "read_journals",
+]
+
+MAPPINGS = ("random", "modulo", "direct")
+_READ_SIZE = 1 << 16
+_LINE_TYPES = ("application/x-ndjson", "application/jsonl", "text/")
+
+# A line (with its newline) -> (journal, bytes to append).
+Mapper = Callable[[bytes], tuple[str, bytes]]
+
+
+# --- append ---------------------------------------------------------------------
+
+
+def _chunks(source: IO[bytes]) -> Iterator[bytes]:
+    source.seek(0)
+    while chunk := source.read(CHUNK_SIZE):
+        yield chunk
+
+
+async def _append_file(client: BrokerClient, journal: str, source: IO[bytes]) -> None:
+    if source.seek(0, os.SEEK_END) == 0:
+        warn(f"nothing to append to {journal}: the input is empty")
+        return
+    response = await append_with_retries(client, journal, lambda: _chunks(source))
+    commit = response.commit
+    click.echo(
+        f"appended {plural(commit.end - commit.begin, 'byte')} to {journal} "
+        f"at offsets [{commit.begin}, {commit.end})",
+        err=True,
+    )
+
+
+async def append_raw(client: BrokerClient, journal: str, source: IO[bytes]) -> None:
+    """Append all of `source` to `journal` as one transaction; report it on stderr.
+
+    Input that can't be re-read (stdin, pipes) is copied to a temporary file
+    first: a retried append sends its content again, and reading everything
+    before the RPC starts keeps a slow producer from holding the append open.
+    """
+    if source.seekable():
+        await _append_file(client, journal, source)
+        return
+    with tempfile.TemporaryFile() as copy:
+        shutil.copyfileobj(source, copy, CHUNK_SIZE)
+        await _append_file(client, journal, copy)
+
+
+def _direct(journals: list[str]) -> Mapper:
+    """Each line reads "JOURNAL<TAB>RECORD"; RECORD goes to JOURNAL, a selected journal."""
+    allowed = set(journals)
+
+    def mapping(line: bytes) -> tuple[str, bytes]:
+        name, tab, record = line.partition(b"\t")
+        journal = name.decode("utf-8", "replace")
+        if not tab:
+            raise ValueError("the direct mapping expects lines like JOURNAL<TAB>RECORD")
+        if journal not in allowed:
+            raise ValueError(f"journal {journal!r} is not one of the selected journals")
+        return journal, record
+
+    return mapping
+
+
+def make_mapping(kind: str, journals: list[str]) -> Mapper:
+    """How lines are spread over `journals` (see `journals append --help`)."""
+    names = sorted(journals)
+    if kind == "random":
+        return lambda line: (random.choice(names), line)
+    if kind == "modulo":  # a stable hash: equal lines always land in the same journal
+        return lambda line: (names[zlib.crc32(line.rstrip(b"\n")) % len(names)], line)
+    if kind == "direct":
+        return _direct(names)
+    raise ValueError(f"unknown mapping {kind!r}")
+
+
+async def _lines(source: IO[bytes]) -> AsyncIterator[bytes]:
+    """Lines of `source`, each ending in b"\\n" (one is added to an unterminated last line).
+
+    Reads happen in a thread so the AppendService keeps sending while input trickles in.
+    """
+    read = getattr(source, "read1", source.read)
+    rest = b""
+    while chunk := await asyncio.to_thread(read, _READ_SIZE):
+        lines = (rest + chunk).split(b"\n")
+        rest = lines.pop()
+        for line in lines:
+            yield line + b"\n"
+    if rest:
+        yield rest + b"\n"
+
+
+@dataclass
+class _Tally:
+    lines: int = 0
+    bytes: int = 0
+
+
+def _raise_failure(future: OpFuture) -> None:
+    """Stop at once when a journal's appends failed (later ones fail the same way)."""
+    if future.done() and (error := future.exception()) is not None:
+        raise error
+
+
+async def append_lines(
+    client: BrokerClient, journals: list[str], source: IO[bytes], mapping: str
+) -> None:
+    """Append each input line to one of `journals`; report the tally per journal on stderr."""
+    mapper = make_mapping(mapping, journals)
+    tallies: dict[str, _Tally] = {}
+    last: dict[str, OpFuture] = {}  # a journal's appends commit in order: the last stands for all
+    async with AppendService(client) as service:
+        number = 0
+        async for line in _lines(source):
+            number += 1
+            try:
+                journal, record = mapper(line)
+            except ValueError as err:
+                raise CliError(f"input line {number}: {err}", DATA_ERROR) from None
+            last[journal] = future = await service.append(journal, record)
+            _raise_failure(future)
+            tally = tallies.setdefault(journal, _Tally())
+            tally.lines += 1
+            tally.bytes += len(record)
+    for future in last.values():
+        await future
+    for journal, tally in sorted(tallies.items()):
+        click.echo(
+            f"appended {plural(tally.lines, 'line')} ({plural(tally.bytes, 'byte')}) to {journal}",
+            err=True,
+        )
+    if not tallies:
+        warn("nothing appended: the input is empty")
+
+
+# --- read -----------------------------------------------------------------------
+
+
+def is_line_oriented(spec: pb.JournalSpec) -> bool:
+    """Whether the journal's content-type says its records are lines."""
+    for label in spec.labels.labels:
+        if label.name == "content-type":
+            media = label.value.split(";", 1)[0].strip().lower()
+            return any(media == kind or media.startswith(kind) for kind in _LINE_TYPES)
+    return False
+
+
+def _write_stdout(data: bytes | bytearray) -> None:
+    """Write and flush at once: a reader downstream sees content as it arrives."""
+    out = sys.stdout.buffer
+    out.write(data)
+    out.flush()
+
+
+class _JournalCopy:
+    """Copies one journal to stdout, keeping lines whole if the journal holds lines."""
+
+    def __init__(
+        self, client: BrokerClient, spec: pb.JournalSpec, offset: int, *, block: bool
+    ) -> None:
+        self.journal = spec.name
+        self.lines = is_line_oriented(spec)
+        self.reader = RetryReader(
+            client, pb.ReadRequest(journal=spec.name, offset=offset, block=block)
+        )
+        self.pending = bytearray()  # the start of a line whose end hasn't arrived
+
+    @property
+    def offset(self) -> int:
+        """The offset after the last byte written."""
+        return self.reader.offset - len(self.pending)
+
+    def _emit(self, data: bytes) -> None:
+        if not self.lines:
+            _write_stdout(data)
+            return
+        self.pending += data
+        cut = self.pending.rfind(b"\n") + 1
+        if cut:
+            _write_stdout(self.pending[:cut])
+            del self.pending[:cut]
+
+    async def run(self) -> None:
+        """Copy until the write head (non-blocking) or forever (blocking)."""
+        try:
+            while True:
+                try:
+                    data = await self.reader.read()
+                except OffsetJump as jump:
+                    warn(f"journal {self.journal}: skipped offsets "
+                         f"{jump.from_offset}..{jump.to_offset} (fragments missing)")
+                    continue
+                except OffsetNotYetAvailable:
+                    break
+                if not data:
+                    break
+                self._emit(data)
+            if self.pending:  # the journal ends mid-line: that is its content
+                _write_stdout(self.pending)
+                self.pending.clear()
+        finally:
+            self.reader.close()
+
+
+async def write_head(client: BrokerClient, journal: str) -> int:
+    """Where the next append to `journal` will land, asked with a metadata-only read.
+
+    A tailing read starts here rather than at offset -1, so that the offset it
+    reports is a real one even if nothing arrives before it is stopped.
+    """
+    reader = Reader(client, pb.ReadRequest(journal=journal, offset=-1, metadata_only=True))
+    try:
+        await reader.read()
+    except OffsetNotYetAvailable:
+        pass  # the expected answer at the head; it carries write_head
+    finally:
+        reader.close()
+    return reader.response.write_head
+
+
+def load_offsets(path: Path | None) -> dict[str, int]:
+    """Start offsets by journal, from a file `--offsets-out` wrote."""
+    if path is None:
+        return {}
+    try:
+        offsets = json.loads(path.read_text())
+    except OSError as err:
+        raise CliError(f"cannot read offsets file {path}: {err.strerror}", DATA_ERROR) from None
+    except ValueError as err:
+        raise CliError(f"offsets file {path} is not JSON: {err}", DATA_ERROR) from None
+    if not isinstance(offsets, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and v >= -1 for k, v in offsets.items()
+    ):
+        raise CliError(f"offsets file {path} must map journal names to offsets >= -1", DATA_ERROR)
+    return offsets
+
+
+def _save_offsets(path: Path, copies: list[_JournalCopy]) -> None:
+    offsets = {copy.journal: copy.offset for copy in copies}
+    path.write_text(json.dumps(offsets, indent=2, sort_keys=True) + "\n")
+
+
+async def read_journals(
+    client: BrokerClient,
+    specs: list[pb.JournalSpec],
+    offsets: dict[str, int],
+    *,
+    default_offset: int,
+    block: bool,
+    offsets_out: Path | None,
+) -> None:
+    """Copy each journal to stdout: one after another, or all at once when following."""
+    copies = []
+    for spec in specs:
+        offset = offsets.get(spec.name, default_offset)
+        if offset < 0:
+            offset = await write_head(client, spec.name)
+        copies.append(_JournalCopy(client, spec, offset, block=block))
+    try:
+        if block:
+            await asyncio.gather(*(copy.run() for copy in copies))
+        else:
+            for copy in copies:
+                await copy.run()
+    finally:
+        if offsets_out is not None:
+            _save_offsets(offsets_out, copies)
