@@ -247,7 +247,10 @@ async def test_offset_jump_over_a_deleted_fragment(broker_proc: BrokerProcess) -
         parts = [bytes([65 + i]) * 2000 for i in range(3)]
         for part in parts:
             await append_bytes(client, journal, part)  # each append rolls the previous spool
-        await eventually(lambda: len(fragment_files(broker_proc.data_dir, journal)) == 2)
+        spools = broker_proc.data_dir / "journals" / journal / "@spool"
+        # Persisted, and the local spools dropped: else a restart recovers and re-persists them.
+        await eventually(lambda: len(fragment_files(broker_proc.data_dir, journal)) == 2
+                         and len(list(spools.glob("*.spool"))) == 1)
         fragment_files(broker_proc.data_dir, journal)[0].unlink()  # [0, 2000) is gone
         await asyncio.to_thread(broker_proc.restart)
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -21,9 +22,10 @@ from streamkit.broker.journals import ApplyConflict, JournalRegistry
 from streamkit.broker.reads import ReadStream
 from streamkit.protocol import pb, pb_grpc
 from streamkit.protocol.labels import labels_with_meta, matches, validate_selector
-from streamkit.protocol.spec import SpecError, journal_name_problem, validate_proto
+from streamkit.protocol.spec import journal_name_problem, validate_proto
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 LIST_CHUNK = 25  # journals per ListResponse message, as Gazette sends them
 MAX_FRAGMENTS_PAGE = 10_000
@@ -81,13 +83,21 @@ class JournalService(pb_grpc.JournalServicer):
         metrics.RPC_ERRORS.labels(method, "INVALID_ARGUMENT").inc()
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
+    async def _check(
+        self, context: grpc.aio.ServicerContext, method: str, validate: Callable[[T], None],
+        request: T,
+    ) -> None:
+        """Validate a request; a problem (any ValueError: BadRequest, SpecError,
+        SelectorError) aborts the RPC with INVALID_ARGUMENT and its message."""
+        try:
+            validate(request)
+        except ValueError as err:
+            await self._abort(context, method, err)
+
     # --- List -------------------------------------------------------------
 
     async def List(self, request: pb.ListRequest, context) -> AsyncIterator[pb.ListResponse]:
-        try:
-            validate_selector(request.selector)
-        except ValueError as err:
-            await self._abort(context, "List", err)
+        await self._check(context, "List", validate_selector, request.selector)
         while True:
             changed = self.registry.changed()
             for response in self._list_snapshot(request.selector, request.watch):
@@ -121,10 +131,7 @@ class JournalService(pb_grpc.JournalServicer):
     # --- Apply ------------------------------------------------------------
 
     async def Apply(self, request: pb.ApplyRequest, context) -> pb.ApplyResponse:
-        try:
-            _validate_changes(request.changes)
-        except (BadRequest, SpecError) as err:
-            await self._abort(context, "Apply", err)
+        await self._check(context, "Apply", _validate_changes, request.changes)
         try:
             await self.registry.apply(list(request.changes))
         except ApplyConflict:
@@ -134,10 +141,7 @@ class JournalService(pb_grpc.JournalServicer):
     # --- Read -------------------------------------------------------------
 
     async def Read(self, request: pb.ReadRequest, context) -> AsyncIterator[pb.ReadResponse]:
-        try:
-            _validate_read(request)
-        except (BadRequest, SpecError) as err:
-            await self._abort(context, "Read", err)
+        await self._check(context, "Read", _validate_read, request)
         replica = await self.registry.replica(request.journal)
         if replica is None:
             yield pb.ReadResponse(status=pb.JOURNAL_NOT_FOUND, header=self.header())
@@ -157,14 +161,12 @@ class JournalService(pb_grpc.JournalServicer):
     async def Append(self, request_iterator, context) -> pb.AppendResponse:
         try:
             first = await anext(request_iterator)
-            _validate_append(first)
         except StopAsyncIteration:
             await self._abort(context, "Append", BadRequest("Append stream ended before a request"))
-        except (BadRequest, SpecError) as err:
-            await self._abort(context, "Append", err)
+        await self._check(context, "Append", _validate_append, first)
         replica = await self.registry.replica(first.journal)
-        if refusal(replica) is not None:
-            status = refusal(replica)
+        status = refusal(replica)
+        if status is not None:
             metrics.APPEND_FAILURES.labels(pb.Status.Name(status)).inc()
             return pb.AppendResponse(status=status, header=self.header())
         try:
@@ -179,10 +181,7 @@ class JournalService(pb_grpc.JournalServicer):
     # --- ListFragments ------------------------------------------------------
 
     async def ListFragments(self, request: pb.FragmentsRequest, context) -> pb.FragmentsResponse:
-        try:
-            _validate_fragments(request)
-        except (BadRequest, SpecError) as err:
-            await self._abort(context, "ListFragments", err)
+        await self._check(context, "ListFragments", _validate_fragments, request)
         replica = await self.registry.replica(request.journal)
         if replica is None:
             return pb.FragmentsResponse(status=pb.JOURNAL_NOT_FOUND, header=self.header())

@@ -29,6 +29,7 @@ from typing import IO, Any
 
 from streamkit.client.appender import CHUNK_SIZE, append_with_retries
 from streamkit.client.broker_client import BrokerClient
+from streamkit.client.closing import AsyncClosing
 from streamkit.client.errors import describe
 from streamkit.protocol import pb
 
@@ -245,7 +246,7 @@ class _JournalQueue:
             self.open_tails[self.journal] = append
 
 
-class AppendService:
+class AppendService(AsyncClosing):
     """Batches, orders, dispatches and retries appends to many journals.
 
     `await service.append(journal, data)` is the cheap, common call. For
@@ -264,17 +265,6 @@ class AppendService:
         self._budget = _YIELD_EVERY
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
-
-    async def __aenter__(self) -> AppendService:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     # --- producing --------------------------------------------------------
 

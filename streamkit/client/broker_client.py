@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
-from types import TracebackType
 
 import grpc
 
+from streamkit.client.closing import AsyncClosing
 from streamkit.protocol import pb, pb_grpc
 
 __all__ = ["DEFAULT_ADDRESS", "MAX_MESSAGE", "BrokerClient", "normalize_address"]
@@ -53,7 +53,7 @@ def _route_endpoint(route: pb.Route) -> str:
     return endpoints[0]
 
 
-class BrokerClient:
+class BrokerClient(AsyncClosing):
     """Channels and Journal stubs to brokers, routed per journal where known.
 
     Use as `async with BrokerClient("host:port") as client:`; the address
@@ -68,17 +68,6 @@ class BrokerClient:
         self._stubs: dict[str, pb_grpc.JournalStub] = {}
         self._routes: OrderedDict[str, str] = OrderedDict()  # journal -> target
         self._bad: dict[str, float] = {}  # target -> monotonic time it may be used again
-
-    async def __aenter__(self) -> BrokerClient:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     def _stub_of(self, target: str) -> pb_grpc.JournalStub:
         stub = self._stubs.get(target)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from types import TracebackType
 from typing import Self
 
 import grpc
 
 from streamkit.client.broker_client import BrokerClient
+from streamkit.client.closing import AsyncClosing
 from streamkit.client.errors import (
     Backoff,
     OffsetJump,
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 _DIRECT_READ = 1 << 20  # largest read() answered from a directly opened fragment
 
 
-class _ByteStream:
+class _ByteStream(AsyncClosing):
     """`read()`, `async for` and `async with` on top of a `read(n)` coroutine."""
 
     async def read(self, n: int = -1) -> bytes:
@@ -53,17 +53,6 @@ class _ByteStream:
         if not chunk:
             raise StopAsyncIteration
         return chunk
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 class Reader(_ByteStream):
