@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -112,6 +114,12 @@ def test_sigkill_mid_stream_rolls_the_partial_append_back(tmp_path: Path) -> Non
         broker.kill()
 
 
+def _tail_http(broker: BrokerProcess) -> None:
+    url = f"{broker.http_url}/{JOURNAL}?offset=-1&block=true"
+    with contextlib.suppress(OSError):
+        urllib.request.urlopen(url, timeout=30).read()
+
+
 def _expect_rpc_error(journals, requests) -> bool:
     try:
         journals.Append(requests)
@@ -126,9 +134,15 @@ def test_sigterm_stops_quickly_and_persists_spools(tmp_path: Path) -> None:
     wire.create(journals, wire.spec(JOURNAL, length=1 << 20, codec=pb.ZSTANDARD))
     payload = b"".join(_record(i) for i in range(500))
     wire.append(journals, JOURNAL, payload)
+    # Tailing readers, over gRPC and HTTP, must not hold the shutdown open.
+    tail = journals.Read(pb.ReadRequest(journal=JOURNAL, offset=-1, block=True))
+    http_tail = threading.Thread(target=_tail_http, args=(broker,), daemon=True)
+    http_tail.start()
+    time.sleep(0.3)
     started = time.monotonic()
     assert broker.terminate() == 0, broker.log()
     assert time.monotonic() - started < 8
+    tail.cancel()
     stored = list((tmp_path / "broker" / "fragments" / JOURNAL).glob("*.zst"))
     assert len(stored) == 1 and stored[0].name.startswith(f"{0:016x}-{len(payload):016x}-")
     broker.start()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
+import pytest
 from google.protobuf.duration_pb2 import Duration
 
 from streamkit.broker.index import FragmentIndex
@@ -45,7 +48,7 @@ async def test_rolls_at_fragment_length_and_recovers_rolled_spools(tmp_path: Pat
     assert not replica.maybe_roll()
     await _append(replica, b"b" * 100)  # a fragment may overshoot by one append
     assert replica.maybe_roll() and replica.spool.begin == 1100
-    replica.close()
+    await replica.close()
     # Reopened: the rolled spool is handed back for persisting, the open one resumes.
     reopened, rolled_again = await _replica(tmp_path, spec)
     assert [(s.begin, s.end) for s in rolled_again] == [(0, 1100)]
@@ -72,3 +75,66 @@ def test_index_prefers_the_longest_cover_then_local() -> None:
     assert index.query(600) is None
     index.add(_fragment(300, 450))  # the local spool grew
     assert index.query(420).fragment.end == 450 and len(index) == 5
+
+
+async def _content_of(replica: Replica) -> bytes:
+    spool = replica.spool
+    return spool.read(spool.begin, spool.length, spool.end)
+
+
+async def test_a_cancelled_append_still_commits_whole_before_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streamkit.broker import spool as spool_module
+    from streamkit.broker.appends import append
+
+    real_sync = spool_module._sync_commit
+
+    def slow_sync(*args, **kwargs) -> None:
+        time.sleep(0.3)  # a slow disk: the client gives up mid-commit
+        real_sync(*args, **kwargs)
+
+    monkeypatch.setattr(spool_module, "_sync_commit", slow_sync)
+    replica, _ = await _replica(tmp_path, wire.spec("cancel/commit"))
+
+    async def chunks(*parts: bytes):
+        for part in parts:
+            yield part
+
+    request, header = pb.AppendRequest(journal="cancel/commit"), pb.Header()
+    first = asyncio.create_task(append(replica, request, chunks(b"A" * 100), header))
+    await asyncio.sleep(0.1)  # now inside the commit's fdatasync
+    first.cancel()
+    second = await append(replica, request, chunks(b"B" * 50), header)
+    # The first commit completed before the lock passed on: no overwrite.
+    assert (second.commit.begin, second.commit.end) == (100, 150)
+    seen = await _content_of(replica)
+    assert seen == b"A" * 100 + b"B" * 50
+    await replica.close()
+    monkeypatch.setattr(spool_module, "_sync_commit", real_sync)
+    reopened, _ = await _replica(tmp_path, wire.spec("cancel/commit"))
+    assert await _content_of(reopened) == seen
+
+
+async def test_rolled_back_large_chunk_never_lands_on_the_next_append(tmp_path: Path) -> None:
+    from streamkit.broker.appends import RolledBack, append
+
+    replica, _ = await _replica(tmp_path, wire.spec("cancel/rollback"))
+    big = b"A" * (1 << 20)  # written by a worker thread
+
+    async def then_fail():
+        yield big
+        raise RolledBack("client went away")
+
+    with pytest.raises(RolledBack):
+        await append(replica, pb.AppendRequest(journal="cancel/rollback"), then_fail(),
+                     pb.Header())
+
+    async def small():
+        yield b"B" * 1000
+
+    response = await append(replica, pb.AppendRequest(journal="cancel/rollback"), small(),
+                            pb.Header())
+    assert (response.commit.begin, response.commit.end) == (0, 1000)
+    await asyncio.sleep(0.2)  # a late write of the rolled-back chunk would land now
+    assert await _content_of(replica) == b"B" * 1000

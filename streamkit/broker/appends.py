@@ -6,12 +6,17 @@ preconditions, streams the content into the spool and commits it durably.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 from streamkit.broker import metrics
 from streamkit.broker.replica import Replica
+from streamkit.broker.spool import SpoolAppend
 from streamkit.protocol import pb
 from streamkit.protocol.labels import registers_match, subtract, union
+
+T = TypeVar("T")
 
 
 class RolledBack(Exception):
@@ -32,6 +37,9 @@ def _precondition_failure(replica: Replica, request: pb.AppendRequest) -> int | 
     status = refusal(replica)
     if status is not None:
         return status
+    if replica.spool.fenced:
+        raise OSError(f"journal {replica.name}: a commit failed and could not be undone; "
+                      "appends are refused until the broker restarts and recovers the spool")
     if request.HasField("check_registers") and not registers_match(
         request.check_registers, replica.registers
     ):
@@ -45,6 +53,35 @@ def _new_registers(replica: Replica, request: pb.AppendRequest) -> pb.LabelSet |
     if not (request.HasField("union_registers") or request.HasField("subtract_registers")):
         return None
     return subtract(union(replica.registers, request.union_registers), request.subtract_registers)
+
+
+async def _commit(replica: Replica, txn: SpoolAppend, registers: pb.LabelSet | None
+                  ) -> pb.Fragment:
+    commit = await txn.commit(registers)
+    if registers is not None:
+        replica.registers = registers
+    replica.committed(replica.spool)
+    return commit
+
+
+async def settle(work: Coroutine[Any, Any, T]) -> T:
+    """Run `work` to completion even if the caller is cancelled meanwhile.
+
+    A cancellation is re-raised once the work is done, so callers still unwind.
+    """
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
 
 
 async def append(
@@ -63,14 +100,20 @@ async def append(
         replica.maybe_roll()
         txn = replica.spool.start_append()
         chunks = 0
-        async for chunk in content:
-            await txn.write(chunk)
-            chunks += 1
+        try:
+            async for chunk in content:
+                await txn.write(chunk)
+                chunks += 1
+        except BaseException:
+            # Rolled back (or cancelled): a chunk still being written must land
+            # before the next append may write at the same offset.
+            await settle(txn.settle())
+            raise
         registers = _new_registers(replica, request) if txn.length else None
-        commit = await txn.commit(registers)
-        if registers is not None:
-            replica.registers = registers
-        replica.committed(replica.spool)
+        # Once the commit record may be written, the commit runs to its end even if
+        # the caller goes away: releasing the lock half-way would let the next
+        # append overwrite bytes that recovery will then call committed.
+        commit = await settle(_commit(replica, txn, registers))
     metrics.APPENDS.labels(replica.name).inc()
     metrics.APPEND_BYTES.labels(replica.name).inc(txn.length)
     return pb.AppendResponse(

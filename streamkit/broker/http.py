@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -18,7 +19,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from streamkit.broker.appends import append, refusal
 from streamkit.broker.journals import JournalRegistry
 from streamkit.broker.reads import ReadStream
-from streamkit.broker.service import BadRequest, JournalService, check_journal_name
+from streamkit.broker.service import (
+    APPEND_CHUNK_TIMEOUT,
+    BadRequest,
+    JournalService,
+    check_journal_name,
+)
 from streamkit.protocol import pb
 from streamkit.protocol.fragments import content_name, digest_of, fragment_url
 
@@ -60,9 +66,12 @@ def _bool_param(request: web.Request, name: str) -> bool:
 class HttpGateway:
     """An aiohttp server over the broker's registry."""
 
-    def __init__(self, registry: JournalRegistry, service: JournalService) -> None:
+    def __init__(
+        self, registry: JournalRegistry, service: JournalService, shutdown_timeout: float = 2.0
+    ) -> None:
         self.registry = registry
         self.service = service
+        self.shutdown_timeout = shutdown_timeout  # aiohttp's own default waits 60 s
         self._runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int) -> None:
@@ -70,7 +79,9 @@ class HttpGateway:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/{journal:.+}", self.read)  # also serves HEAD
         app.router.add_put("/{journal:.+}", self.append)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(
+            app, access_log=None, shutdown_timeout=self.shutdown_timeout
+        )
         await self._runner.setup()
         await web.TCPSite(self._runner, host, port).start()
 
@@ -95,6 +106,8 @@ class HttpGateway:
         block = _bool_param(request, "block")
         if replica is None:
             return _status_error(pb.JOURNAL_NOT_FOUND, journal)
+        if replica.spec.flags == pb.JournalSpec.O_WRONLY:
+            return _status_error(pb.NOT_ALLOWED, journal)
         if offset < -1:
             return _error(400, f"query parameter offset: must be >= -1 (got {offset})")
         read = pb.ReadRequest(
@@ -118,12 +131,13 @@ class HttpGateway:
         status = refusal(replica)
         if status is not None:
             return _status_error(status, journal)
-        result = await append(
-            replica,
-            pb.AppendRequest(journal=journal),
-            request.content.iter_chunked(1 << 20),
-            self.service.header(),
-        )
+        try:
+            result = await append(
+                replica, pb.AppendRequest(journal=journal), _body(request), self.service.header()
+            )
+        except TimeoutError:
+            return _error(408, f"request body stalled for {APPEND_CHUNK_TIMEOUT:.0f}s; "
+                               "the append was rolled back")
         if result.status != pb.OK:
             return _status_error(result.status, journal)
         commit = result.commit
@@ -135,6 +149,15 @@ class HttpGateway:
                 "X-Commit-SHA1-Sum": digest_of(commit.sum).hex(),
             },
         )
+
+
+async def _body(request: web.Request) -> AsyncIterator[bytes]:
+    """The request body in chunks; a stalled client must not hold the journal forever."""
+    while True:
+        chunk = await asyncio.wait_for(request.content.read(1 << 20), APPEND_CHUNK_TIMEOUT)
+        if not chunk:
+            return
+        yield chunk
 
 
 async def _contents(

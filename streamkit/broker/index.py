@@ -68,8 +68,9 @@ class FragmentIndex:
             del self._fragments[at]
 
     def replace_remote(self, remote: list[pb.Fragment]) -> None:
-        """Swap in a fresh store listing, keeping local spools."""
-        self._reset([f for f in self._fragments if not f.backing_store] + remote)
+        """Swap in a fresh store listing, keeping local spools (duplicates collapse)."""
+        unique = {_key(f): f for f in remote}
+        self._reset([f for f in self._fragments if not f.backing_store] + list(unique.values()))
 
     def _reset(self, fragments: list[pb.Fragment]) -> None:
         fragments.sort(key=_key)

@@ -61,6 +61,7 @@ class JournalRegistry:
         self._on_roll = on_roll
         self._changed = asyncio.Event()
         self._watch_task: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()  # replicas of deleted journals
 
     async def start(self) -> None:
         """Load every spec and recover its replica, then follow changes."""
@@ -76,8 +77,7 @@ class JournalRegistry:
             self._watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
-        for replica in self._replicas.values():
-            replica.close()
+        await asyncio.gather(*(replica.close() for replica in self._replicas.values()))
         await self.keyspace.close()
 
     def replicas(self) -> list[Replica]:
@@ -189,7 +189,9 @@ class JournalRegistry:
         self.entries.pop(name, None)
         replica = self._replicas.pop(name, None)
         if replica is not None:
-            replica.close()
+            task = asyncio.create_task(replica.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     def _signal(self) -> None:
         event, self._changed = self._changed, asyncio.Event()

@@ -38,9 +38,11 @@ def compress_spool(spool: Spool, out_dir: Path) -> Path:
         return path
     compressor = new_compressor(spool.codec)
     fd, name = tempfile.mkstemp(prefix=".persist-", dir=out_dir)
-    with os.fdopen(fd, "wb") as out:
-        for offset in range(spool.begin, spool.end, _CHUNK):
-            out.write(compressor.compress(spool.read(offset, _CHUNK, spool.end)))
+    # Its own descriptor: the spool's may be closed meanwhile (journal deleted).
+    with os.fdopen(fd, "wb") as out, open(spool.data_path, "rb") as source:
+        for position in range(0, spool.length, _CHUNK):
+            size = min(_CHUNK, spool.length - position)
+            out.write(compressor.compress(os.pread(source.fileno(), size, position)))
         out.write(compressor.flush())
     return Path(name)
 

@@ -41,7 +41,8 @@ class ReadStream:
 
     def _done(self) -> bool:
         end = self.request.end_offset
-        return self.replica.deleted or (end > 0 and self.offset >= end)
+        replica = self.replica
+        return replica.deleted or replica.reads_ended or (end > 0 and self.offset >= end)
 
     async def responses(self) -> AsyncIterator[pb.ReadResponse]:
         replica, request = self.replica, self.request

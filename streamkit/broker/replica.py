@@ -42,8 +42,13 @@ class Replica:
         self.spool: Spool
         self.local: dict[int, Spool] = {}  # begin -> spool, the current one included
         self.deleted = False
+        self.reads_ended = False  # set at shutdown: read streams finish promptly
         self._changed = asyncio.Event()
         self._on_roll: Callable[[Replica, Spool], None] = lambda r, s: None
+        self._refresh_lock = asyncio.Lock()
+        # Fragments persisted while a store listing is in flight: the listing may
+        # predate them, so they are kept when it lands.
+        self._persisted_meanwhile: list[pb.Fragment] | None = None
 
     # --- lifecycle -------------------------------------------------------
 
@@ -105,14 +110,24 @@ class Replica:
         self.spool = Spool.create(self.name, self.directory, begin, codec, self.registers)
         self._track_local(self.spool)
 
-    def close(self) -> None:
-        """Stop serving (journal deleted or broker stopping); files stay on disk."""
+    async def close(self) -> None:
+        """Stop serving (journal deleted or broker stopping); files stay on disk.
+
+        New appends are refused at once; files close only after an append in
+        progress (whose commit may still be writing to them) has finished.
+        """
         self.deleted = True
-        for spool in self.local.values():
-            spool.close()
         self.notify()
+        async with self.append_lock:
+            for spool in self.local.values():
+                spool.close()
 
     # --- reads and change notification -----------------------------------
+
+    def end_reads(self) -> None:
+        """Make every read stream (blocking ones included) end at its next step."""
+        self.reads_ended = True
+        self.notify()
 
     @property
     def write_head(self) -> int:
@@ -159,6 +174,8 @@ class Replica:
     def persisted(self, local: Spool, remote: pb.Fragment) -> None:
         """Swap a persisted spool for its store copy and drop the local files."""
         self.index.add(remote)
+        if self._persisted_meanwhile is not None:
+            self._persisted_meanwhile.append(remote)
         self.index.remove_local(local.begin)
         self.local.pop(local.begin, None)
         local.remove_files()
@@ -168,6 +185,18 @@ class Replica:
 
     async def refresh(self) -> None:
         """Re-list every store of the journal into the index."""
+        async with self._refresh_lock:
+            self._persisted_meanwhile = []
+            try:
+                listed = await self._list_stores()
+                if listed is not None:
+                    self.index.replace_remote(listed + self._persisted_meanwhile)
+            finally:
+                self._persisted_meanwhile = None
+        self.notify()
+
+    async def _list_stores(self) -> list[pb.Fragment] | None:
+        """The union of the stores' listings, or None if any store failed."""
         listed: list[pb.Fragment] = []
         postfixed = bool(self.spec.fragment.path_postfix_template)
         for store in self.stores:
@@ -179,6 +208,5 @@ class Replica:
                 )
             except Exception as err:  # a store outage must not take the journal down
                 log.warning("listing %s for journal %s failed: %s", store.url, self.name, err)
-                return
-        self.index.replace_remote(listed)
-        self.notify()
+                return None
+        return listed

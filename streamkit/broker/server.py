@@ -102,7 +102,7 @@ class Broker:
             raise OSError(f"cannot listen on {cfg.host}:{cfg.port} (is the port in use?)")
         await self.server.start()
         if cfg.gateway_port:
-            self.gateway = HttpGateway(self.registry, self.service)
+            self.gateway = HttpGateway(self.registry, self.service, cfg.shutdown_grace / 3)
             await self.gateway.start(cfg.host, cfg.gateway_port)
         log.info("broker serving gRPC on %s:%d, HTTP on %s, data in %s", cfg.host, cfg.port,
                  cfg.gateway_port or "(off)", cfg.data_dir)
@@ -127,9 +127,12 @@ class Broker:
         """Refuse new RPCs, let in-flight ones finish, persist the spools, close."""
         grace = self.config.shutdown_grace
         log.info("broker stopping")
-        await self.server.stop(grace / 3)
-        if self.gateway:
-            await self.gateway.stop()
+        for replica in self.registry.replicas():
+            replica.end_reads()  # blocking reads would otherwise hold the servers open
+        await asyncio.gather(
+            self.server.stop(grace / 3),
+            self.gateway.stop() if self.gateway else asyncio.sleep(0),
+        )
         for replica in self.registry.replicas():
             await self._roll_for_shutdown(replica)
         if not await self.persister.drain(grace / 2):
@@ -149,10 +152,13 @@ class Broker:
             await asyncio.sleep(TICK)
             now = time.time()
             for replica in self.registry.replicas():
-                if not replica.append_lock.locked():
-                    async with replica.append_lock:
-                        replica.maybe_roll(now)
-                await self._maybe_refresh(replica, now)
+                try:
+                    if not replica.append_lock.locked():
+                        async with replica.append_lock:
+                            replica.maybe_roll(now)
+                    await self._maybe_refresh(replica, now)
+                except Exception:  # one journal's trouble (disk full, say) must not stop the rest
+                    log.exception("periodic roll/refresh of %s failed", replica.name)
 
     async def _maybe_refresh(self, replica: Replica, now: float) -> None:
         interval = replica.spec.fragment.refresh_interval.ToSeconds() or 300

@@ -188,6 +188,7 @@ class JournalService(pb_grpc.JournalServicer):
         limit = request.page_limit or DEFAULT_FRAGMENTS_PAGE
         ttl = request.signatureTTL.ToTimedelta() if request.HasField("signatureTTL") else None
         page, next_token = [], 0
+        stores = {store.url: store for store in replica.stores}
         for fragment in replica.index.fragments():
             if fragment.begin < request.next_page_token or not _in_window(fragment, request):
                 continue
@@ -195,8 +196,8 @@ class JournalService(pb_grpc.JournalServicer):
                 next_token = fragment.begin
                 break
             url = ""
-            if ttl is not None and fragment.backing_store:
-                store = next(s for s in replica.stores if s.url == fragment.backing_store)
+            store = stores.get(fragment.backing_store)
+            if ttl is not None and store is not None:
                 url = await store.signed_url(fragment, ttl)
             page.append(pb.FragmentsResponse._Fragment(spec=fragment, signed_url=url))
         return pb.FragmentsResponse(

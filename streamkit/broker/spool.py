@@ -26,6 +26,7 @@ import os
 import struct
 import time
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,9 @@ INLINE_MAX = 16 << 10
 # (see Spool.release_cache); tailing readers still find recent bytes there.
 CACHE_WINDOW = 32 << 20
 _OFFLOAD_BYTES = 64 << 10  # chunks at least this large are written off the event loop
+# Writer threads of their own, so a busy default executor (fsyncs, listings,
+# compression) never delays a chunk behind the append that follows it.
+_WRITERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="spool-write")
 
 
 def _encode_record(
@@ -117,6 +121,7 @@ class Spool:
     _fd: int = -1
     _log_fd: int = -1
     _uncached: int = 0  # file bytes [0, _uncached) were dropped from the page cache
+    fenced: bool = False  # a failed commit could not be cut back out of the log
 
     @property
     def data_path(self) -> Path:
@@ -242,7 +247,7 @@ class SpoolAppend:
         self._spool_sha1 = spool._sha1.copy()
         self._sha1 = hashlib.sha1()
         self._small: list[bytes] | None = []  # content kept while it may go inline
-        self._in_flight: asyncio.Future[None] | None = None
+        self._in_flight: Future[None] | None = None  # the chunk a writer thread holds
 
     async def write(self, data: bytes) -> None:
         """Write a chunk past the committed end and fold it into both checksums.
@@ -251,20 +256,32 @@ class SpoolAppend:
         release the GIL) while the event loop receives the next one; at most one
         chunk of an append is in flight, which keeps order and bounds memory.
         """
-        if self._in_flight is not None:
-            await self._in_flight
-            self._in_flight = None
+        await self.settle()
         at = self.length
         self.length += len(data)
         if len(data) < _OFFLOAD_BYTES:
             self._write(data, at)
         else:
-            loop = asyncio.get_running_loop()
-            self._in_flight = loop.run_in_executor(None, self._write, data, at)
+            self._in_flight = _WRITERS.submit(self._write, data, at)
         if self._small is not None:
             self._small.append(data)
             if self.length > INLINE_MAX:
                 self._small = None
+
+    async def settle(self) -> None:
+        """Wait until no chunk of this append is being written; re-raise its error.
+
+        Holds the thread's own Future: an asyncio wrapper, once cancelled, would
+        report "done" while the thread is still writing.
+        """
+        future = self._in_flight
+        if future is None:
+            return
+        if not future.done():
+            await asyncio.wrap_future(future)
+        self._in_flight = None
+        if not future.cancelled():
+            future.result()
 
     def _write(self, data: bytes, at: int) -> None:
         os.pwrite(self.spool._fd, data, self.begin - self.spool.begin + at)
@@ -277,8 +294,7 @@ class SpoolAppend:
         `registers` is the journal's new register set if this append changed
         it, else None.
         """
-        if self._in_flight is not None:
-            await self._in_flight
+        await self.settle()
         spool = self.spool
         end = self.begin + self.length
         now_ms = int(time.time() * 1000)
@@ -302,8 +318,24 @@ class SpoolAppend:
 
 
 def _sync_commit(spool: Spool, log_fd: int, record: bytes, sync_spool: bool) -> None:
+    """Make the content durable, then append and sync its commit record.
+
+    If anything fails, the log is cut back to where it was: a stray record
+    would make recovery resurrect this (unacknowledged) append and drop every
+    later one. If even that fails, the spool is fenced against further appends.
+    """
     if sync_spool:
         os.fdatasync(spool._fd)
         spool.release_cache()
-    os.write(log_fd, record)
-    os.fdatasync(log_fd)
+    size = os.fstat(log_fd).st_size
+    try:
+        if os.write(log_fd, record) != len(record):
+            raise OSError(f"short write to {spool.log_path} (disk full?)")
+        os.fdatasync(log_fd)
+    except BaseException:
+        try:
+            os.ftruncate(log_fd, size)
+            os.fsync(log_fd)
+        except OSError:
+            spool.fenced = True
+        raise
