@@ -149,7 +149,7 @@ class Replica:
         spool, frag = self.spool, self.spec.fragment
         if spool.length == 0:
             return False
-        due = spool.length >= frag.length > 0
+        due = spool.length > frag.length > 0  # Gazette's rule: may overshoot by one append
         flush = frag.flush_interval.ToMilliseconds() if frag.HasField("flush_interval") else 0
         if flush > 0 and spool.first_append_ms:
             now_ms = int((time.time() if now is None else now) * 1000)

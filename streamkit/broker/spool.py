@@ -218,8 +218,14 @@ class Spool:
             self._uncached = keep_from
 
     def seal(self) -> None:
-        """Cut off bytes of rolled-back appends: the file becomes exactly [begin, end)."""
+        """Cut off bytes of rolled-back appends: the file becomes exactly [begin, end).
+
+        Nothing appends to a sealed spool, so its commit log is closed too.
+        """
         os.ftruncate(self._fd, self.length)
+        if self._log_fd >= 0:
+            os.close(self._log_fd)
+            self._log_fd = -1
 
     def start_append(self) -> SpoolAppend:
         return SpoolAppend(self)
