@@ -1,0 +1,181 @@
+"""`application/x-ndjson`: one JSON object per line, each ending in "\\n".
+
+Compatible with Gazette's JSON framing. JSON never needs a raw newline (string
+newlines are escaped), so a frame is exactly one line and a decoder finds
+boundaries with a bulk `split`. Encoding and decoding go through orjson (dicts)
+or pydantic-core's JSON serializer/validator (models), never Python's json.
+
+* dict messages: encoded with orjson (UUID values become canonical strings);
+  decoded as dicts, "uuid" left as the string it was.
+* `Message` models: serialized by alias; decoded with full validation.
+* protobuf messages: JSON mapping with the .proto field names (as Gazette does).
+
+A line that isn't a JSON object (or doesn't validate as the model) is reported
+with the offset of its first byte and skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from google.protobuf import json_format
+from google.protobuf.message import Message as ProtoMessage
+from pydantic import ValidationError
+
+from streamkit.message.framing import DecoderBase, acknowledgement_of, message_kind
+from streamkit.message.message import UUID_FIELD, Envelope, Message, MessageLike
+
+__all__ = ["CONTENT_TYPE", "JsonLinesDecoder", "JsonLinesFraming"]
+
+CONTENT_TYPE = "application/x-ndjson"
+
+_DUMP_OPTIONS = orjson.OPT_APPEND_NEWLINE
+
+
+class JsonLinesFraming:
+    """Newline-delimited JSON framing."""
+
+    content_type = CONTENT_TYPE
+
+    def encode(self, message: MessageLike, out: bytearray) -> None:
+        """Append the message's JSON and a newline to `out`."""
+        if isinstance(message, dict):
+            out += orjson.dumps(message, option=_DUMP_OPTIONS)
+        elif isinstance(message, Message):
+            # by_alias so that the default (alias-driven) validation reads it back.
+            out += message.__pydantic_serializer__.to_json(message, by_alias=True)
+            out += b"\n"
+        elif isinstance(message, ProtoMessage):
+            as_dict = json_format.MessageToDict(message, preserving_proto_field_name=True)
+            out += orjson.dumps(as_dict, option=_DUMP_OPTIONS)
+        else:
+            raise TypeError(f"cannot JSON-frame a {type(message).__name__}")
+
+    def new_decoder(self, journal: str, message_type: type) -> JsonLinesDecoder:
+        return JsonLinesDecoder(journal, message_type)
+
+
+class JsonLinesDecoder(DecoderBase):
+    """Splits the stream at newlines, decoding each complete line as one message."""
+
+    def __init__(self, journal: str, message_type: type) -> None:
+        super().__init__(journal)
+        self.message_type = message_type
+        self._kind = message_kind(message_type)
+        # The partial last line: pieces (joined only once a newline arrives, so a
+        # long line fed in many chunks costs linear time) and its start offset.
+        self._pieces: list[bytes] = []
+        self._pending = 0
+        self._start = 0
+
+    def reset(self, offset: int) -> None:
+        self._pieces.clear()
+        self._pending = 0
+        self._start = offset
+        self._next = offset
+
+    def feed(self, chunk: bytes | memoryview, offset: int) -> list[Envelope]:
+        if not self._check_offset(offset, self._pending):
+            self.reset(offset)
+        elif self._next is None:
+            self._start = offset
+        data = bytes(chunk) if not isinstance(chunk, bytes) else chunk
+        self._next = offset + len(data)
+
+        last = data.rfind(b"\n")
+        if last < 0:
+            if data:
+                self._pieces.append(data)
+                self._pending += len(data)
+            return []
+        if self._pieces:
+            self._pieces.append(data[:last])
+            lines = b"".join(self._pieces).split(b"\n")
+            self._pieces.clear()
+        else:
+            lines = data[:last].split(b"\n")
+        begin = self._start
+        tail = data[last + 1 :]
+        self._start = offset + last + 1
+        self._pending = len(tail)
+        if tail:
+            self._pieces.append(tail)
+
+        if self._kind == "dict":
+            return self._decode_dicts(lines, begin)
+        return self._decode_typed(lines, begin)
+
+    def _decode_dicts(self, lines: list[bytes], begin: int) -> list[Envelope]:
+        # The hot path: kept free of attribute lookups and calls per line.
+        journal = self.journal
+        loads = orjson.loads
+        out: list[Envelope] = []
+        append = out.append
+        for line in lines:
+            end = begin + len(line) + 1
+            try:
+                obj = loads(line)
+            except orjson.JSONDecodeError as exc:
+                self._report(begin, f"invalid JSON: {exc}")
+            else:
+                if type(obj) is dict:
+                    append(Envelope(journal, begin, end, obj))
+                else:
+                    self._report(begin, f"JSON {type(obj).__name__} is not an object")
+            begin = end
+        return out
+
+    def _decode_typed(self, lines: list[bytes], begin: int) -> list[Envelope]:
+        journal = self.journal
+        decode = self._decode_model if self._kind == "model" else self._decode_proto
+        out: list[Envelope] = []
+        append = out.append
+        for line in lines:
+            end = begin + len(line) + 1
+            message = decode(line, begin)
+            if message is not None:
+                append(Envelope(journal, begin, end, message))
+            begin = end
+        return out
+
+    def _decode_model(self, line: bytes, begin: int) -> Message | None:
+        model: type[Message] = self.message_type
+        try:
+            return model.__pydantic_validator__.validate_json(line)
+        except ValidationError as exc:
+            obj = _loads_object(line)
+            ack = acknowledgement_of(model, obj.get(UUID_FIELD)) if obj is not None else None
+            if ack is None:
+                self._report(begin, f"not a valid {model.__name__}: {_first_error(exc)}")
+            return ack
+
+    def _decode_proto(self, line: bytes, begin: int) -> ProtoMessage | None:
+        obj = _loads_object(line)
+        if obj is None:
+            self._report(begin, "not a JSON object")
+            return None
+        try:
+            return json_format.ParseDict(obj, self.message_type(), ignore_unknown_fields=True)
+        except json_format.ParseError as exc:
+            self._report(begin, f"not a valid {self.message_type.__name__}: {exc}")
+            return None
+
+
+def _loads_object(line: bytes) -> dict[str, Any] | None:
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    return obj if type(obj) is dict else None
+
+
+def _first_error(exc: ValidationError) -> str:
+    """A one-line summary: pydantic's full text spans many lines per error."""
+    errors = exc.errors(include_url=False)
+    if not errors:
+        return str(exc)
+    first = errors[0]
+    where = ".".join(str(part) for part in first["loc"]) or "(message)"
+    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{where}: {first['msg']}{more}"
