@@ -211,7 +211,7 @@ async def apply_cmd(specs_path: str, dry_run: bool, upsert: bool, max_txn_size: 
 
 
 @contextlib.contextmanager
-def _opened_input(path: str) -> Iterator[IO[bytes]]:
+def opened_input(path: str) -> Iterator[IO[bytes]]:
     """The bytes to append: stdin for "-", else the named file."""
     if path == "-":
         yield sys.stdin.buffer
@@ -250,7 +250,7 @@ async def append_cmd(journal: str | None, selector: str | None, input_path: str,
                 "use --framing lines to spread lines over them",
                 DATA_ERROR,
             )
-        with _opened_input(input_path) as source:
+        with opened_input(input_path) as source:
             if framing == "lines":
                 await append_lines(client, names, source, mapping)
             else:

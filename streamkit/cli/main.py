@@ -6,6 +6,7 @@ import click
 
 from streamkit.cli.broker import broker
 from streamkit.cli.journals import journals
+from streamkit.cli.publish import publish
 
 
 @click.group()
@@ -16,6 +17,7 @@ def cli() -> None:
 
 cli.add_command(broker)
 cli.add_command(journals)
+cli.add_command(publish)
 
 
 def main() -> None:

@@ -1,0 +1,199 @@
+"""`streamkit publish`: JSON lines from stdin or a file, published as committed messages.
+
+Unlike `journals append --framing lines`, which copies lines verbatim, each
+line here is parsed as a JSON object and published through a Publisher: it
+gets a message UUID (producer, clock, OUTSIDE_TXN), so read-committed readers
+and consumer shards de-duplicate it, and the journal is picked by a mapping
+over the message's key (`--key FIELD`), the same way a Python or Go
+producer would.
+
+A bad line (not a JSON object, or missing the key field) stops the command
+with a one-line error naming the line and exit code 2, after the lines
+before it have been published and committed. Nothing from the bad line on
+is appended, so re-running on the rest of the input (`tail -n +LINE`)
+publishes every line exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import IO, Any
+
+import click
+import orjson
+
+from streamkit.cli.errors import DATA_ERROR, CliError, async_command
+from streamkit.cli.journals import broker_option, opened_input
+from streamkit.cli.output import plural
+from streamkit.client import AppendService, BrokerClient, OpFuture, PolledList
+from streamkit.message.framing import UnknownFraming, content_type_of, framing_for
+from streamkit.message.mapping import (
+    EmptyPartitions,
+    MappingFunc,
+    field_key,
+    modulo_mapping,
+    partitions_from,
+    random_mapping,
+    rendezvous_mapping,
+)
+from streamkit.message.publisher import Publisher
+from streamkit.protocol.labels import parse_selector
+
+__all__ = ["publish"]
+
+MAPPINGS = ("modulo", "rendezvous", "random")
+_READ_SIZE = 1 << 18
+_PROGRESS_EVERY = 1.0  # seconds
+
+
+class _Recording:
+    """Wraps a MappingFunc to remember where the last message went (for tallies and waits)."""
+
+    __slots__ = ("journal", "mapping")
+
+    def __init__(self, mapping: MappingFunc) -> None:
+        self.mapping = mapping
+        self.journal = ""
+
+    def __call__(self, message: Any) -> tuple[str, str]:
+        journal, content_type = self.mapping(message)
+        self.journal = journal
+        return journal, content_type
+
+
+def _mapping(kind: str | None, key: str | None, polled: PolledList) -> MappingFunc:
+    """The MappingFunc for --mapping/--key: keyed modulo by default, random without a key."""
+    kind = kind or ("modulo" if key else "random")
+    partitions = partitions_from(polled)
+    if kind == "random":
+        return random_mapping(partitions)
+    if key is None:
+        raise CliError(f"--mapping {kind} needs --key FIELD to hash", DATA_ERROR)
+    build = modulo_mapping if kind == "modulo" else rendezvous_mapping
+    return build(field_key(key), partitions)
+
+
+async def _line_batches(source: IO[bytes]) -> AsyncIterator[list[bytes]]:
+    """The input's lines, a read's worth at a time (reads run in a thread)."""
+    read = getattr(source, "read1", source.read)
+    rest = b""
+    while chunk := await asyncio.to_thread(read, _READ_SIZE):
+        lines = (rest + chunk).split(b"\n")
+        rest = lines.pop()
+        yield lines
+    if rest:
+        yield [rest]
+
+
+def _parse(line: bytes) -> dict[str, Any]:
+    try:
+        message = orjson.loads(line)
+    except orjson.JSONDecodeError as err:
+        raise ValueError(f"invalid JSON at column {err.colno}: {err.msg}") from None
+    if not isinstance(message, dict):
+        raise ValueError(f"expected a JSON object, got {type(message).__name__}")
+    return message
+
+
+def _check_journals(polled: PolledList, selector: str) -> None:
+    """Refuse up front when nothing matches or a journal has no message framing."""
+    if not polled.current:
+        raise CliError(str(EmptyPartitions(selector)))
+    for journal in polled.current:
+        content_type = content_type_of(journal.spec.labels)
+        try:
+            framing_for(content_type)
+        except UnknownFraming:
+            raise CliError(
+                f"journal {journal.spec.name} has no message framing for its content-type "
+                f"label ({content_type!r}); label it e.g. content-type=application/x-ndjson",
+                DATA_ERROR,
+            ) from None
+
+
+async def _committed(last: dict[str, OpFuture]) -> None:
+    """Wait until every journal's last append (and so all before it) committed."""
+    for future in last.values():
+        await future
+
+
+async def _progress(tally: Counter[str], started: float) -> None:
+    while True:
+        await asyncio.sleep(_PROGRESS_EVERY)
+        count = tally.total()
+        rate = count / (time.monotonic() - started)
+        click.echo(f"published {plural(count, 'message')} ({rate:,.0f}/s)", err=True)
+
+
+async def publish_lines(publisher: Publisher, mapping: MappingFunc, source: IO[bytes],
+                        tally: Counter[str]) -> None:
+    """Publish each JSON line committed; stop at the first bad line (see the module doc)."""
+    recording = _Recording(mapping)
+    last: dict[str, OpFuture] = {}
+    number = 0
+    async for lines in _line_batches(source):
+        for line in lines:
+            number += 1
+            if not line.strip():
+                continue
+            try:
+                future = await publisher.publish_committed(recording, _parse(line))
+            except ValueError as err:
+                await _committed(last)
+                raise CliError(
+                    f"input line {number}: {err} (stopped there; the "
+                    f"{plural(tally.total(), 'message')} before it were published)",
+                    DATA_ERROR,
+                ) from None
+            journal = recording.journal
+            last[journal] = future
+            tally[journal] += 1
+            if future.done() and future.exception() is not None:
+                await future  # a journal's appends failed: later ones would fail alike
+    await _committed(last)
+
+
+@click.command("publish")
+@click.option("-l", "--selector", required=True, metavar="SELECTOR",
+              help='Label selector of the journals to publish to, e.g. "topic=clicks".')
+@click.option("--key", "key", metavar="FIELD",
+              help="Top-level field whose value maps a message to its journal.")
+@click.option("-m", "--mapping", type=click.Choice(MAPPINGS), default=None,
+              help="modulo (default with --key): FNV-1a hash modulo the journal count; "
+                   "rendezvous: highest-random-weight hashing, moving few keys when journals "
+                   "are added; random (default without --key).")
+@click.option("-i", "--input", "input_path", default="-", show_default=True, metavar="FILE",
+              help='JSON lines to publish ("-" for stdin).')
+@broker_option
+@async_command()
+async def publish(selector: str, key: str | None, mapping: str | None, input_path: str,
+                  broker: str) -> None:
+    """Publish JSON lines as committed messages to the journals matching SELECTOR.
+
+    Each line must be a JSON object; its "uuid" field is set to the
+    message's UUID. Progress goes to stderr every second; the command exits
+    once everything published has committed. A bad line stops it (exit 2)
+    after the lines before it are published.
+    """
+    parsed = parse_selector(selector)
+    async with BrokerClient(broker) as client, PolledList(client, parsed) as polled:
+        _check_journals(polled, selector)
+        mapping_func = _mapping(mapping, key, polled)
+        tally: Counter[str] = Counter()
+        started = time.monotonic()
+        progress = asyncio.create_task(_progress(tally, started))
+        try:
+            async with AppendService(client) as service:
+                with opened_input(input_path) as source:
+                    await publish_lines(Publisher(service), mapping_func, source, tally)
+        except EmptyPartitions as err:  # every journal was deleted while publishing
+            raise CliError(str(err)) from None
+        finally:
+            progress.cancel()
+    count = tally.total()
+    elapsed = time.monotonic() - started
+    click.echo(f"published {plural(count, 'message')} to {plural(len(tally), 'journal')} "
+               f"in {elapsed:.1f}s", err=True)

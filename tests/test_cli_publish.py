@@ -1,0 +1,142 @@
+"""`streamkit publish` end to end: the CLI as a subprocess against the shared broker."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from streamkit.message.mapping import fnv1a32
+from streamkit.message.uuid import UUID, Flags, parse_uuid
+from tests import wire
+from tests.brokerproc import BrokerProcess, free_port
+
+CLI = [sys.executable, "-m", "streamkit.cli.main", "publish"]
+
+
+def run(address: str, *args: str, input: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+    result = subprocess.run([*CLI, *args, "--broker", address], input=input,
+                            capture_output=True, timeout=60)
+    assert b"Traceback" not in result.stderr, result.stderr.decode()
+    return result
+
+
+def failure(address: str, *args: str, code: int, input: bytes | None = None) -> str:
+    """The single "streamkit: error:" line of a command that must fail with `code`."""
+    result = run(address, *args, input=input)
+    stderr = result.stderr.decode().strip()
+    assert result.returncode == code, (result.returncode, stderr)
+    assert len(stderr.splitlines()) == 1 and stderr.startswith("streamkit: error: "), stderr
+    return stderr
+
+
+def make_topic(broker: BrokerProcess, count: int) -> tuple[str, list[str]]:
+    """A selector and the sorted names of `count` new ndjson journals it matches."""
+    topic = f"clip-{uuid.uuid4().hex[:10]}"
+    names = [f"{topic}/part-{i:02d}" for i in range(count)]
+    labels = {"content-type": "application/x-ndjson", "topic": topic}
+    wire.create(wire.stub(broker.address), *(wire.spec(n, labels=labels) for n in names))
+    return f"topic={topic}", names
+
+
+def contents(broker: BrokerProcess, names: list[str]) -> dict[str, list[dict[str, Any]]]:
+    stub = wire.stub(broker.address)
+    return {name: [orjson.loads(line) for line in wire.read(stub, name)[0].splitlines()]
+            for name in names}
+
+
+def json_lines(messages: list[dict[str, Any]]) -> bytes:
+    return b"".join(orjson.dumps(m) + b"\n" for m in messages)
+
+
+def rendezvous(key: str, names: list[str]) -> str:
+    digest = fnv1a32(key.encode())
+    scores = [digest ^ fnv1a32(name.encode()) for name in names]
+    return names[scores.index(max(scores))]
+
+
+def modulo(key: str, names: list[str]) -> str:
+    return names[fnv1a32(key.encode()) % len(names)]
+
+
+@pytest.mark.parametrize("kind", ["modulo", "rendezvous"])
+def test_keyed_lines_land_once_where_the_mapping_says(shared_broker: BrokerProcess,
+                                                      kind: str) -> None:
+    selector, names = make_topic(shared_broker, 3)
+    messages = [{"n": n, "user": f"u{n % 11}", "text": "hello"} for n in range(300)]
+    args = ["-l", selector, "--key", "user"] + (["-m", kind] if kind != "modulo" else [])
+    result = run(shared_broker.address, *args, input=json_lines(messages))
+    assert result.returncode == 0, result.stderr.decode()
+    assert "published 300 messages to 3 journals" in result.stderr.decode()
+
+    expected = modulo if kind == "modulo" else rendezvous
+    landed = contents(shared_broker, names)
+    numbers = []
+    for journal, lines in landed.items():
+        producers = set()
+        for line in lines:
+            assert expected(line["user"], names) == journal
+            producer, _, flags = parse_uuid(UUID(line["uuid"]))
+            assert flags == Flags.OUTSIDE_TXN
+            producers.add(producer)
+            numbers.append(line["n"])
+        assert len(producers) == 1
+    assert sorted(numbers) == list(range(300))
+
+
+def test_random_from_a_file_without_key(shared_broker: BrokerProcess, tmp_path: Path) -> None:
+    selector, names = make_topic(shared_broker, 2)
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(json_lines([{"n": n} for n in range(500)]) + b"\n\n{\"n\": 500}")
+    result = run(shared_broker.address, "-l", selector, "-i", str(source))
+    assert result.returncode == 0, result.stderr.decode()
+    assert "published 501 messages to 2 journals" in result.stderr.decode()
+    landed = contents(shared_broker, names)
+    assert all(landed.values())  # 500 random picks use both journals
+    assert sorted(m["n"] for lines in landed.values() for m in lines) == list(range(501))
+
+
+def test_bad_line_stops_after_publishing_the_lines_before(shared_broker: BrokerProcess) -> None:
+    selector, names = make_topic(shared_broker, 2)
+    text = b'{"n": 0, "k": "a"}\n{"n": 1, "k": "b"}\n{"n": 2, oops}\n{"n": 3, "k": "c"}\n'
+    err = failure(shared_broker.address, "-l", selector, "--key", "k", input=text, code=2)
+    assert "input line 3: invalid JSON" in err and "2 messages before it" in err
+    landed = contents(shared_broker, names)
+    assert sorted(m["n"] for lines in landed.values() for m in lines) == [0, 1]
+
+
+@pytest.mark.parametrize(("text", "args", "code", "message"), [
+    (b'{"n": 0}\n', ["--key", "user"], 2, "input line 1: the message has no field 'user'"),
+    (b'[1, 2]\n', [], 2, "input line 1: expected a JSON object, got list"),
+    (b'{}\n', ["-m", "rendezvous"], 2, "--mapping rendezvous needs --key FIELD"),
+])
+def test_user_errors(shared_broker: BrokerProcess, text: bytes, args: list[str], code: int,
+                     message: str) -> None:
+    selector, _ = make_topic(shared_broker, 1)
+    err = failure(shared_broker.address, "-l", selector, *args, input=text, code=code)
+    assert message in err
+
+
+def test_no_matching_journal_and_bad_selector(shared_broker: BrokerProcess) -> None:
+    err = failure(shared_broker.address, "-l", "topic=none-such", input=b"{}\n", code=1)
+    assert "no journals match selector 'topic=none-such'" in err
+    err = failure(shared_broker.address, "-l", "not a selector!", input=b"{}\n", code=2)
+    assert "bad label selector" in err
+
+
+def test_journals_without_a_message_framing_are_refused(shared_broker: BrokerProcess) -> None:
+    topic = f"clip-{uuid.uuid4().hex[:10]}"
+    wire.create(wire.stub(shared_broker.address), wire.spec(f"{topic}/raw", labels={"tp": topic}))
+    err = failure(shared_broker.address, "-l", f"tp={topic}", input=b"{}\n", code=2)
+    assert f"{topic}/raw" in err and "content-type" in err
+
+
+def test_unreachable_broker() -> None:
+    address = f"127.0.0.1:{free_port()}"
+    err = failure(address, "-l", "topic=x", input=b"{}\n", code=1)
+    assert f"cannot reach broker at {address}" in err

@@ -1,0 +1,193 @@
+"""Publisher against a real broker: framed messages, UUID flags and clocks, ACK intents."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, ClassVar
+
+import orjson
+import pytest
+
+from streamkit.client import AppendService, BrokerClient, list_journals
+from streamkit.message.framing import UnknownFraming
+from streamkit.message.mapping import (
+    EmptyPartitions,
+    MappingFunc,
+    StaticPartitions,
+    field_key,
+    modulo_mapping,
+)
+from streamkit.message.message import Message
+from streamkit.message.publisher import AckIntent, Publisher
+from streamkit.message.uuid import UUID, Clock, Flags, clock_at, parse_uuid
+from tests.brokerproc import BrokerProcess
+from tests.helpers_client import create_journal, read_range, unique_name
+
+NDJSON = "application/x-ndjson"
+
+
+@pytest.fixture
+async def client(shared_broker: BrokerProcess) -> AsyncIterator[BrokerClient]:
+    async with BrokerClient(shared_broker.address) as c:
+        yield c
+
+
+@pytest.fixture
+async def service(client: BrokerClient) -> AsyncIterator[AppendService]:
+    async with AppendService(client) as s:
+        yield s
+
+
+async def topic(client: BrokerClient, count: int, content_type: str = NDJSON) -> list[str]:
+    """`count` fresh journals labeled as one topic; their names, sorted."""
+    prefix = unique_name("pub")
+    names = [f"{prefix}/part-{i}" for i in range(count)]
+    for name in names:
+        await create_journal(client, name, labels={"content-type": content_type,
+                                                   "topic": prefix.replace("/", "-")})
+    return names
+
+
+async def keyed_mapping(client: BrokerClient, names: list[str]) -> MappingFunc:
+    listed = [j for j in await list_journals(client) if j.spec.name in names]
+    return modulo_mapping(field_key("key"), StaticPartitions(listed))
+
+
+def fixed(journal: str) -> MappingFunc:
+    return lambda message: (journal, NDJSON)
+
+
+async def lines_of(client: BrokerClient, journal: str, end: int) -> list[dict[str, Any]]:
+    content = await read_range(client, journal, 0, end)
+    return [orjson.loads(line) for line in content.splitlines()]
+
+
+def uuid_parts(message: dict[str, Any]) -> tuple[bytes, int, int]:
+    return parse_uuid(UUID(message["uuid"]))
+
+
+async def test_committed_messages_land_framed_with_outside_txn_uuids(
+    client: BrokerClient, service: AppendService
+) -> None:
+    names = await topic(client, 3)
+    mapping = await keyed_mapping(client, names)
+    publisher = Publisher(service)
+    futures = {}
+    for n in range(60):
+        message = {"n": n, "key": f"user-{n % 7}"}
+        futures[mapping(message)[0]] = await publisher.publish_committed(mapping, message)
+    await service.flush()
+
+    seen = []
+    before = clock_at(0)
+    for journal, future in futures.items():
+        messages = await lines_of(client, journal, (await future).commit.end)
+        clocks = []
+        for message in messages:
+            producer, clock, flags = uuid_parts(message)
+            assert (producer, flags) == (publisher.producer, Flags.OUTSIDE_TXN)
+            assert mapping(message)[0] == journal  # where the key maps it
+            clocks.append(clock)
+            seen.append(message["n"])
+        assert clocks == sorted(clocks) and len(set(clocks)) == len(clocks)  # increasing
+        assert clocks[0] > before
+    assert sorted(seen) == list(range(60))
+    assert len(futures) == 3
+
+
+async def test_uncommitted_then_one_ack_per_journal(
+    client: BrokerClient, service: AppendService
+) -> None:
+    a, b, untouched = await topic(client, 3)
+    publisher = Publisher(service)
+    for n in range(5):
+        await publisher.publish_uncommitted(fixed(a), {"n": n})
+        await publisher.publish_uncommitted(fixed(b), {"n": n})
+    intents = publisher.build_ack_intents()
+    assert [i.journal for i in intents] == [a, b]
+    assert publisher.build_ack_intents() == []  # the set was reset
+
+    ends = {}
+    for intent in intents:
+        assert isinstance(intent, AckIntent) and intent.content.endswith(b"\n")
+        ends[intent.journal] = (await service.append(intent.journal, intent.content))
+    for journal in (a, b):
+        *data, ack = await lines_of(client, journal, (await ends[journal]).commit.end)
+        assert [m["n"] for m in data] == list(range(5))
+        assert all(uuid_parts(m)[2] == Flags.CONTINUE_TXN for m in data)
+        producer, ack_clock, flags = uuid_parts(ack)
+        assert (producer, flags) == (publisher.producer, Flags.ACK_TXN)
+        assert ack_clock > max(uuid_parts(m)[1] for m in data)
+        assert set(ack) == {"uuid"}  # an empty message of the same kind
+    assert untouched not in ends
+
+
+async def test_shared_clock_is_ticked_not_updated(service: AppendService,
+                                                  client: BrokerClient) -> None:
+    (journal,) = await topic(client, 1)
+    clock = Clock(clock_at(1_000_000_000 * 10**9))  # 2001: far behind wall time
+    publisher = Publisher(service, clock=clock, producer=b"\x01abcde")
+    first, second = {"n": 1}, {"n": 2}
+    await publisher.publish_committed(fixed(journal), first)
+    await publisher.publish_uncommitted(fixed(journal), second)
+    assert uuid_parts(first) == (b"\x01abcde", clock_at(10**18) + 1, Flags.OUTSIDE_TXN)
+    assert uuid_parts(second) == (b"\x01abcde", clock_at(10**18) + 2, Flags.CONTINUE_TXN)
+    (ack,) = publisher.build_ack_intents()
+    assert uuid_parts(orjson.loads(ack.content))[1:] == (clock_at(10**18) + 3, Flags.ACK_TXN)
+
+
+class Order(Message):
+    order_id: str
+    amount: int
+
+    def validate_message(self) -> None:
+        if self.amount <= 0:
+            raise ValueError("amount must be positive")
+
+
+class Metric(Message):
+    uses_uuid: ClassVar[bool] = False
+    value: float
+
+
+async def test_errors_surface_before_anything_is_appended(
+    client: BrokerClient, service: AppendService
+) -> None:
+    (journal,) = await topic(client, 1)
+    (raw,) = await topic(client, 1, content_type="application/octet-stream")
+    publisher = Publisher(service)
+    invalid = Order(order_id="o-1", amount=0)
+    with pytest.raises(ValueError, match="amount must be positive"):
+        await publisher.publish_committed(fixed(journal), invalid)
+    assert invalid.uuid is None  # validated before any UUID was assigned
+    with pytest.raises(EmptyPartitions, match="'topic=nothing'"):
+        empty = modulo_mapping(field_key("order_id"), StaticPartitions([], "topic=nothing"))
+        await publisher.publish_uncommitted(empty, Order(order_id="o-2", amount=1))
+    with pytest.raises(UnknownFraming):
+        await publisher.publish_uncommitted(lambda m: (raw, "application/octet-stream"),
+                                            Order(order_id="o-3", amount=1))
+    with pytest.raises(TypeError):  # orjson can't encode a set: fails while framing
+        await publisher.publish_uncommitted(fixed(journal), {"tags": {"a", "b"}})
+    assert publisher.build_ack_intents() == []  # nothing was published uncommitted
+
+    future = await publisher.publish_committed(fixed(journal), Order(order_id="o-4", amount=5))
+    (only,) = await lines_of(client, journal, (await future).commit.end)
+    assert only["order_id"] == "o-4" and (await future).commit.begin == 0
+
+
+async def test_messages_without_uuids_get_no_acknowledgement(
+    client: BrokerClient, service: AppendService
+) -> None:
+    (journal,) = await topic(client, 1)
+    publisher = Publisher(service)
+    await publisher.publish_uncommitted(fixed(journal), Metric(value=1.5))
+    assert publisher.build_ack_intents() == []
+    await publisher.publish_uncommitted(fixed(journal), Order(order_id="o", amount=1))
+    (intent,) = publisher.build_ack_intents()
+    ack = orjson.loads(intent.content)
+    assert uuid_parts(ack)[2] == Flags.ACK_TXN
+
+
+def test_producer_id_must_be_six_bytes() -> None:
+    with pytest.raises(ValueError, match="6 bytes"):
+        Publisher(AppendService(BrokerClient("127.0.0.1:1")), producer=b"short")
