@@ -1,3 +1,31 @@
-"""streamkit: stateful, exactly-once stream processing over journals."""
+"""streamkit: stateful, exactly-once stream processing over journals.
+
+The names users import. Lower layers stay importable on their own
+(`streamkit.client`, `streamkit.message`, `streamkit.protocol`, ...).
+"""
+
+from streamkit.message.mapping import (
+    EmptyPartitions,
+    field_key,
+    modulo_mapping,
+    partitions_from,
+    random_mapping,
+    rendezvous_mapping,
+)
+from streamkit.message.message import Envelope, Message
+from streamkit.message.publisher import AckIntent, Publisher
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "AckIntent",
+    "EmptyPartitions",
+    "Envelope",
+    "Message",
+    "Publisher",
+    "field_key",
+    "modulo_mapping",
+    "partitions_from",
+    "random_mapping",
+    "rendezvous_mapping",
+]
