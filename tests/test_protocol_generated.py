@@ -41,3 +41,15 @@ def test_service_and_field_numbers_match_gazette() -> None:
     assert pb.ReadRequest.DESCRIPTOR.fields_by_name["begin_mod_time"].number == 8
     assert pb.ListResponse.Journal.DESCRIPTOR.fields_by_name["create_revision"].number == 4
     assert pb.Status.Value("REGISTER_MISMATCH") == 13
+
+
+def test_consumer_checkpoint_numbers_match_gazette() -> None:
+    from streamkit.protocol import consumer_pb2 as consumer
+
+    assert consumer.DESCRIPTOR.package == "consumer"
+    checkpoint = consumer.Checkpoint.DESCRIPTOR.fields_by_name
+    assert (checkpoint["sources"].number, checkpoint["ack_intents"].number) == (1, 2)
+    state = consumer.Checkpoint.ProducerState.DESCRIPTOR.fields_by_name
+    assert state["last_ack"].type == state["last_ack"].TYPE_FIXED64
+    assert consumer.ShardSpec.DESCRIPTOR.fields_by_name["read_channel_size"].number == 13
+    assert consumer.ReplicaStatus.Code.Value("FAILED") == 400
