@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.brokerproc import BrokerProcess
+from tests.postgres import postgres_url  # noqa: F401
 from tests.s3server import aws_env, s3_endpoint, s3_url  # noqa: F401 (shared fixtures)
 
 

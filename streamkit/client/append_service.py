@@ -69,9 +69,9 @@ class OpFuture:
         """An already resolved OpFuture (Gazette's FinishedOperation)."""
         op = cls()
         if error is None:
-            op._resolve(response or pb.AppendResponse(status=pb.OK))
+            op.resolve(response or pb.AppendResponse(status=pb.OK))
         else:
-            op._fail(error)
+            op.fail(error)
         return op
 
     def done(self) -> bool:
@@ -96,11 +96,14 @@ class OpFuture:
         if not self._future.done():
             await asyncio.wait((self._future,))
 
-    def _resolve(self, response: pb.AppendResponse) -> None:
+    def resolve(self, response: pb.AppendResponse) -> None:
+        """Complete it successfully (no-op if already done). For producers of OpFutures
+        outside the AppendService: recorders, stores."""
         if not self._future.done():
             self._future.set_result(response)
 
-    def _fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
+        """Complete it with an error (no-op if already done)."""
         if not self._future.done():
             if isinstance(error, asyncio.CancelledError):
                 error = ServiceClosed(f"cancelled: {error}")
@@ -305,7 +308,7 @@ class AppendService(AsyncClosing):
         deps = frozenset(d for d in dependencies if not d.succeeded())
         if queue.error is not None:
             append = AsyncAppend(queue, deps, None, loop)
-            append.future._fail(queue.error)
+            append.future.fail(queue.error)
         else:
             append = queue.appends[-1] if queue.appends else None
             if (
@@ -387,7 +390,7 @@ class AppendService(AsyncClosing):
                     self._fail_queue(queue, error, log_it=True)
                     return
                 queue.appends.popleft()
-                append.future._resolve(response)
+                append.future.resolve(response)
                 self._recycle(append)
         finally:
             queue.task = None
@@ -405,7 +408,7 @@ class AppendService(AsyncClosing):
         self._open_tails.pop(queue.journal, None)
         while queue.appends:
             append = queue.appends.popleft()
-            append.future._fail(error)
+            append.future.fail(error)
             if append._file is not None:
                 append._file.close()
                 append._file = None

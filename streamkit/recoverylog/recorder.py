@@ -254,7 +254,7 @@ class Recorder:
             self._queue.popleft()
             if response.commit.end > self.write_head:
                 self.write_head = response.commit.end
-            batch.future._resolve(response)
+            batch.future.resolve(response)
 
     async def _send(self, batch: _Batch) -> pb.AppendResponse:
         parts = batch.parts
@@ -271,4 +271,4 @@ class Recorder:
         self._error = error
         self._open = None
         while self._queue:
-            self._queue.popleft().future._fail(error)
+            self._queue.popleft().future.fail(error)

@@ -1,0 +1,295 @@
+"""SQLStore: shard state in an external SQL database, with fenced checkpoints.
+
+Each consumer transaction is one database transaction. The application
+issues its reads and writes through it (`run`, or `transaction` for plain
+synchronous code), and `start_commit` adds the checkpoint row to that same
+database transaction and commits it, so state and checkpoint land together.
+
+Checkpoints live in one table, created if missing:
+
+    streamkit_checkpoints(shard_fqn TEXT PRIMARY KEY, fence BIGINT NOT NULL,
+                          checkpoint BYTEA/BLOB NOT NULL)
+
+`restore_checkpoint` increments the shard's fence in a transaction of its own
+and remembers the value. Every commit updates the checkpoint only where the
+fence still has that value; if another instance restored in the meantime the
+update matches no row, the whole transaction is rolled back and the commit
+fails with FencedError. The row lock the update takes also orders a commit
+against a concurrent restore: whichever commits second sees the first.
+
+SQLAlchemy is synchronous, so all database work runs on one worker thread per
+store, through its one connection. One thread (rather than the default pool
+of `asyncio.to_thread`) keeps the connection's use strictly in submission
+order and on a single thread, which some drivers require.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+
+from streamkit.client.append_service import OpFuture
+from streamkit.protocol import consumer_pb, pb
+from streamkit.stores.store import FencedError, Store, StoreError
+
+__all__ = ["CHECKPOINTS", "SQLStore"]
+
+T = TypeVar("T")
+
+_metadata = sa.MetaData()
+
+CHECKPOINTS = sa.Table(
+    "streamkit_checkpoints",
+    _metadata,
+    sa.Column("shard_fqn", sa.Text, primary_key=True),
+    sa.Column("fence", sa.BigInteger, nullable=False),
+    sa.Column("checkpoint", sa.LargeBinary, nullable=False),
+)
+"""The checkpoint table; portable DDL, created by the first restore if missing."""
+
+_RESTORE_ATTEMPTS = 5  # a racing first restore of a new shard can lose its INSERT
+
+
+class _CommitFuture(OpFuture):
+    """An OpFuture the store resolves itself once the database commit finished."""
+
+    __slots__ = ()
+
+    def succeed(self) -> None:
+        self.resolve(pb.AppendResponse(status=pb.OK))
+
+
+
+class SQLStore(Store):
+    """A Store in an external SQL database (SQLite file, PostgreSQL, ...) via SQLAlchemy.
+
+    `engine` is an Engine, which the store borrows and does not dispose, or a
+    URL, from which it makes (and later disposes) an engine of its own.
+    `shard_fqn` keys the shard's checkpoint row; make it unique across every
+    consumer application sharing the database.
+    """
+
+    def __init__(self, engine: sa.Engine | str, shard_fqn: str) -> None:
+        self._owns_engine = isinstance(engine, str)
+        self._engine = sa.create_engine(engine) if isinstance(engine, str) else engine
+        self.shard_fqn = shard_fqn
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlstore")
+        self._conn: sa.Connection | None = None
+        self._fence: int | None = None
+        self._commit_op: _CommitFuture | None = None
+        self._commit_task: asyncio.Task[None] | None = None
+        self._waiting_on_dependencies = False
+        self._destroyed = False
+        self._table_ready = False
+
+    @property
+    def engine(self) -> sa.Engine:
+        return self._engine
+
+    @property
+    def fence(self) -> int | None:
+        """The fence installed by the last restore_checkpoint; None before one."""
+        return self._fence
+
+    # --- the application's side --------------------------------------------
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(connection, *args)` in the current consumer transaction, off the event loop.
+
+        Waits first for a commit in flight, so that the next transaction's
+        statements can never slip into the one being committed.
+        """
+        self._check_open()
+        if self._commit_op is not None:
+            await self._commit_op.wait()
+        return await self._call(self._in_transaction, fn, *args)
+
+    def transaction(self) -> sa.Connection:
+        """The connection, inside the current consumer transaction, for synchronous SQL.
+
+        Statements issued on it block the calling thread (the event loop, from
+        a plain hook) for as long as the database takes; prefer `run`. It may
+        not be used while a commit is in flight (that raises StoreError), nor
+        concurrently with `run`.
+        """
+        self._check_open()
+        if self._commit_op is not None and not self._commit_op.done():
+            raise StoreError("a commit is in flight: await store.run(...) instead")
+        return self._begun()
+
+    # --- Store --------------------------------------------------------------
+
+    async def restore_checkpoint(self, shard_id: str) -> consumer_pb.Checkpoint:
+        self._check_open()
+        if self._commit_op is not None:
+            await self._commit_op.wait()
+        fence, data = await self._call(self._restore_sync)
+        self._fence = fence
+        checkpoint = consumer_pb.Checkpoint()
+        checkpoint.ParseFromString(data)
+        return checkpoint
+
+    async def start_commit(
+        self,
+        shard_id: str,
+        checkpoint: consumer_pb.Checkpoint,
+        wait_for: Sequence[OpFuture],
+    ) -> OpFuture:
+        self._check_open()
+        if self._fence is None:
+            raise StoreError(f"shard {shard_id}: start_commit before restore_checkpoint")
+        if self._commit_op is not None and not self._commit_op.done():
+            raise StoreError(f"shard {shard_id}: start_commit while a commit is in flight")
+        op = _CommitFuture()
+        data = checkpoint.SerializeToString(deterministic=True)
+        self._commit_op = op
+        self._waiting_on_dependencies = True  # until _commit has seen them all resolve
+        self._commit_task = asyncio.create_task(
+            self._commit(op, data, self._fence, list(wait_for)),
+            name=f"sqlstore-commit:{shard_id}",
+        )
+        return op
+
+    async def destroy(self) -> None:
+        if self._destroyed:
+            return
+        self._destroyed = True
+        op, task = self._commit_op, self._commit_task
+        if task is not None and not task.done():
+            # Still waiting on dependencies: nothing was sent, so abandon it.
+            # Already in the database: let it finish rather than guess its outcome.
+            if self._waiting_on_dependencies:
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        if op is not None and not op.done():  # cancelled before it even started
+            op.fail(StoreError(f"store of shard {self.shard_fqn} destroyed before the commit"))
+        try:
+            await self._call(self._close_sync)
+        finally:
+            self._executor.shutdown(wait=True)
+            if self._owns_engine:
+                self._engine.dispose()
+
+    # --- internals ----------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._destroyed:
+            raise StoreError(f"store of shard {self.shard_fqn} was destroyed")
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on the store's worker thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+
+    def _connection(self) -> sa.Connection:
+        if self._conn is None or self._conn.closed:
+            self._conn = self._engine.connect()
+        return self._conn
+
+    def _begun(self) -> sa.Connection:
+        """The connection, in the current consumer transaction (begun if need be)."""
+        conn = self._connection()
+        if not conn.in_transaction():
+            conn.begin()
+        return conn
+
+    def _in_transaction(self, fn: Callable[..., T], *args: Any) -> T:
+        return fn(self._begun(), *args)
+
+    def _rollback(self) -> None:
+        if self._conn is not None and self._conn.in_transaction():
+            self._conn.rollback()
+
+    def _restore_sync(self) -> tuple[int, bytes]:
+        """Bump the fence (inserting the row of a new shard) and read the checkpoint, committed."""
+        conn = self._connection()
+        self._rollback()  # whatever a previous assignment left uncommitted is void
+        if not self._table_ready:
+            _create_table(conn)
+            self._table_ready = True
+        row_is = CHECKPOINTS.c.shard_fqn == self.shard_fqn
+        for _ in range(_RESTORE_ATTEMPTS):
+            try:
+                with conn.begin():
+                    bumped = conn.execute(
+                        sa.update(CHECKPOINTS).where(row_is).values(fence=CHECKPOINTS.c.fence + 1)
+                    )
+                    if bumped.rowcount == 0:
+                        conn.execute(
+                            sa.insert(CHECKPOINTS).values(
+                                shard_fqn=self.shard_fqn, fence=1, checkpoint=b""
+                            )
+                        )
+                    fence, data = conn.execute(
+                        sa.select(CHECKPOINTS.c.fence, CHECKPOINTS.c.checkpoint).where(row_is)
+                    ).one()
+                return int(fence), bytes(data)
+            except IntegrityError:
+                continue  # another instance inserted the row first: bump it instead
+        raise StoreError(f"shard {self.shard_fqn}: could not install a fence")
+
+    def _commit_sync(self, data: bytes, fence: int) -> None:
+        """Write the checkpoint where the fence is still ours, and commit everything together."""
+        try:
+            conn = self._begun()
+            written = conn.execute(
+                sa.update(CHECKPOINTS)
+                .where(CHECKPOINTS.c.shard_fqn == self.shard_fqn, CHECKPOINTS.c.fence == fence)
+                .values(checkpoint=data)
+            )
+            if written.rowcount != 1:
+                raise FencedError(
+                    f"shard {self.shard_fqn}: fence {fence} is stale, a newer instance restored"
+                )
+            conn.commit()
+        except BaseException:
+            self._rollback()
+            raise
+
+    def _close_sync(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._rollback()
+            self._conn.close()
+            self._conn = None
+
+    async def _commit(
+        self, op: _CommitFuture, data: bytes, fence: int, wait_for: list[OpFuture]
+    ) -> None:
+        """Wait for the dependencies in order, then commit; resolve `op` with the outcome."""
+        try:
+            for dependency in wait_for:
+                await dependency.wait()
+                if (error := dependency.exception()) is not None:
+                    raise error
+            self._waiting_on_dependencies = False
+            await self._call(self._commit_sync, data, fence)
+        except BaseException as error:
+            if self._waiting_on_dependencies:  # nothing was sent: drop the transaction
+                self._waiting_on_dependencies = False
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._call(self._rollback))
+            op.fail(error)
+            if isinstance(error, asyncio.CancelledError):
+                raise
+        else:
+            op.succeed()
+
+
+def _create_table(conn: sa.Connection) -> None:
+    """Create the checkpoint table if missing, tolerating another process creating it too."""
+    try:
+        with conn.begin():
+            CHECKPOINTS.create(conn, checkfirst=True)
+    except sa.exc.DBAPIError:
+        with conn.begin():
+            if not sa.inspect(conn).has_table(CHECKPOINTS.name):
+                raise

@@ -1,0 +1,79 @@
+"""The Store interface: where a shard keeps its state and its consumer checkpoint.
+
+Exactly-once processing rests on one rule: the state changes a consumer
+transaction made and the Checkpoint that says which messages produced them
+become durable together, or not at all. A Store is the thing that makes them
+so. How a store represents the transaction itself (a SQL transaction, a write
+batch, an in-memory object serialized at commit) is its own business and is
+not part of this interface; only the commit and the restore are.
+
+How the consumer runtime drives a store, which implementations may rely on:
+
+* `restore_checkpoint` is called once per shard assignment, before anything
+  else. A store backed by an external system installs a *write fence* there,
+  so that an older instance of the shard (in another process that still
+  believes it is primary) can no longer commit.
+* `start_commit` is then called once per consumer transaction, and never while
+  the OpFuture of the previous `start_commit` is unresolved: at most one commit
+  is in flight. The application does, however, begin the *next* transaction's
+  work while a commit is in flight, so a store must keep that work apart from
+  the committing transaction (or hold it back until the commit resolved).
+* `destroy` is called once, when the shard is released.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+# OpFuture lives in the client package (appends resolve them); the recovery log
+# stores build on the same type, so stores share it rather than wrapping it.
+from streamkit.client.append_service import OpFuture
+from streamkit.protocol import consumer_pb
+
+__all__ = ["FencedError", "Store", "StoreError"]
+
+
+class StoreError(Exception):
+    """A store could not restore, commit, or was used out of order."""
+
+
+class FencedError(StoreError):
+    """A newer instance of the shard restored from this store, so this one may not commit.
+
+    The commit was rolled back. The instance that sees this is no longer the
+    shard's primary and must stop.
+    """
+
+
+class Store(ABC):
+    """Durable, transactional storage of a shard's state together with its Checkpoint."""
+
+    @abstractmethod
+    async def start_commit(
+        self,
+        shard_id: str,
+        checkpoint: consumer_pb.Checkpoint,
+        wait_for: Sequence[OpFuture],
+    ) -> OpFuture:
+        """Begin committing this transaction's state atomically with `checkpoint`.
+
+        Returns promptly with an OpFuture of the commit, so the runtime can go
+        on consuming while it runs. The commit itself happens only after every
+        future in `wait_for` (the transaction's appends to other journals)
+        resolved successfully; if one fails, the commit fails with that error
+        and nothing of the transaction is written. An external store also
+        fails it with FencedError if another instance restored since this one.
+        """
+
+    @abstractmethod
+    async def restore_checkpoint(self, shard_id: str) -> consumer_pb.Checkpoint:
+        """The last committed Checkpoint; an empty one for a shard never committed.
+
+        Stores with an external database also advance the write fence here,
+        which fences off every older instance of the shard.
+        """
+
+    @abstractmethod
+    async def destroy(self) -> None:
+        """Release the store's resources: uncommitted work is dropped, the store is unusable."""

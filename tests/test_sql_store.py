@@ -1,0 +1,367 @@
+"""SQLStore against a SQLite file and a real PostgreSQL server.
+
+State and checkpoint are always read back through a separate engine, i.e. a
+separate connection that sees only what was committed. The crash tests run a
+writer in a child process (this file, run as a script) and SIGKILL it.
+
+Run as a script: python tests/test_sql_store.py URL SHARD TABLE MODE [PAUSE_AFTER]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from streamkit.client.append_service import OpFuture
+from streamkit.protocol import consumer_pb, pb
+from streamkit.stores import FencedError, SQLStore, StoreError
+from streamkit.stores.sql import CHECKPOINTS
+
+JOURNAL = "examples/words/part-000"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- helpers shared by the tests and the writer process ----------------------
+
+
+def app_table(name: str) -> sa.Table:
+    """The application's own state: one row per committed transaction number."""
+    return sa.Table(name, sa.MetaData(), sa.Column("n", sa.Integer, primary_key=True))
+
+
+def checkpoint_at(n: int) -> consumer_pb.Checkpoint:
+    """A checkpoint recording that transaction `n` read through offset `n`."""
+    cp = consumer_pb.Checkpoint()
+    source = cp.sources[JOURNAL]
+    source.read_through = n
+    source.producers.add(id=b"\x01\x02\x03\x04\x05\x06").state.last_ack = n << 4
+    cp.ack_intents[f"{JOURNAL}-acks"] = f"ack {n}".encode()
+    return cp
+
+
+def insert_row(conn: sa.Connection, table: sa.Table, n: int) -> None:
+    conn.execute(sa.insert(table).values(n=n))
+
+
+@dataclass
+class Committed:
+    """What a fresh connection sees of one shard: fence, checkpoint and state rows."""
+
+    fence: int | None
+    checkpoint: consumer_pb.Checkpoint | None
+    rows: list[int]
+
+    @property
+    def read_through(self) -> int:
+        return self.checkpoint.sources[JOURNAL].read_through if self.checkpoint else 0
+
+
+def read_committed(url: str, shard: str, table: sa.Table) -> Committed:
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            row = conn.execute(
+                sa.select(CHECKPOINTS.c.fence, CHECKPOINTS.c.checkpoint).where(
+                    CHECKPOINTS.c.shard_fqn == shard
+                )
+            ).one_or_none()
+            rows = list(conn.execute(sa.select(table.c.n).order_by(table.c.n)).scalars())
+    finally:
+        engine.dispose()
+    if row is None:
+        return Committed(None, None, rows)
+    checkpoint = consumer_pb.Checkpoint()
+    checkpoint.ParseFromString(row.checkpoint)
+    return Committed(row.fence, checkpoint, rows)
+
+
+async def commit_txn(store: SQLStore, table: sa.Table, n: int, *deps: OpFuture) -> OpFuture:
+    """One consumer transaction: write row n, then start committing checkpoint n."""
+    await store.run(insert_row, table, n)
+    return await store.start_commit(store.shard_fqn, checkpoint_at(n), deps)
+
+
+class ManualOp(OpFuture):
+    """A dependency the test resolves by hand, like an append still in flight."""
+
+    __slots__ = ()
+
+    def succeed(self) -> None:
+        self.resolve(pb.AppendResponse(status=pb.OK))
+
+
+
+# --- fixtures -----------------------------------------------------------------
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'store.db'}"
+    return request.getfixturevalue("postgres_url")
+
+
+@pytest.fixture
+def shard() -> str:
+    return f"test/shard-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def table(db_url: str) -> sa.Table:
+    """A fresh application table, unique to this test (the Postgres server is shared)."""
+    table = app_table(f"state_{uuid.uuid4().hex[:12]}")
+    engine = sa.create_engine(db_url)
+    try:
+        table.metadata.create_all(engine)
+    finally:
+        engine.dispose()
+    return table
+
+
+@pytest.fixture
+async def new_store(db_url: str, shard: str) -> AsyncIterator[Callable[[], SQLStore]]:
+    """Makes store instances of the shard (as separate processes would); destroys them after."""
+    stores: list[SQLStore] = []
+
+    def make() -> SQLStore:
+        stores.append(SQLStore(db_url, shard))
+        return stores[-1]
+
+    yield make
+    for store in stores:
+        await store.destroy()
+
+
+# --- tests ----------------------------------------------------------------------
+
+
+async def test_new_shard_restores_empty_checkpoint_and_fence_1(new_store, db_url, shard, table):
+    store = new_store()
+    assert await store.restore_checkpoint(shard) == consumer_pb.Checkpoint()
+    assert store.fence == 1
+    seen = read_committed(db_url, shard, table)
+    assert (seen.fence, seen.checkpoint, seen.rows) == (1, consumer_pb.Checkpoint(), [])
+
+
+async def test_state_and_checkpoint_commit_together(new_store, db_url, shard, table):
+    store = new_store()
+    await store.restore_checkpoint(shard)
+    await store.run(insert_row, table, 1)
+    # Written but uncommitted: another connection sees neither row nor checkpoint.
+    assert read_committed(db_url, shard, table).rows == []
+    op = await store.start_commit(shard, checkpoint_at(1), [])
+    assert (await op).status == pb.OK
+    seen = read_committed(db_url, shard, table)
+    assert (seen.rows, seen.checkpoint) == ([1], checkpoint_at(1))
+
+
+async def test_restore_returns_last_committed_checkpoint(new_store, db_url, shard, table):
+    first = new_store()
+    await first.restore_checkpoint(shard)
+    for n in (1, 2, 3):
+        await (await commit_txn(first, table, n))
+    again = new_store()
+    assert await again.restore_checkpoint(shard) == checkpoint_at(3)
+    assert again.fence == 2
+    assert read_committed(db_url, shard, table).rows == [1, 2, 3]
+
+
+async def test_failed_dependency_fails_commit_and_writes_nothing(new_store, db_url, shard, table):
+    store = new_store()
+    await store.restore_checkpoint(shard)
+    boom = RuntimeError("append failed")
+    op = await commit_txn(store, table, 1, OpFuture.finished(), OpFuture.finished(error=boom))
+    with pytest.raises(RuntimeError, match="append failed"):
+        await op
+    seen = read_committed(db_url, shard, table)
+    assert (seen.rows, seen.checkpoint) == ([], consumer_pb.Checkpoint())
+
+
+async def test_commit_waits_for_dependencies(new_store, db_url, shard, table):
+    store = new_store()
+    await store.restore_checkpoint(shard)
+    dep = ManualOp()
+    op = await commit_txn(store, table, 1, dep)
+    await asyncio.sleep(0.05)
+    assert not op.done()
+    assert read_committed(db_url, shard, table).rows == []
+    dep.succeed()
+    await op
+    assert read_committed(db_url, shard, table).checkpoint == checkpoint_at(1)
+
+
+async def test_next_transaction_waits_for_the_commit_in_flight(new_store, db_url, shard, table):
+    """Pipelining: the next transaction's writes never join the one committing."""
+    store = new_store()
+    await store.restore_checkpoint(shard)
+    dep = ManualOp()
+    first = await commit_txn(store, table, 1, dep)
+    second_write = asyncio.create_task(store.run(insert_row, table, 2))
+    await asyncio.sleep(0.05)
+    assert not second_write.done()
+    with pytest.raises(StoreError, match="in flight"):
+        store.transaction()
+    dep.fail(RuntimeError("upstream append failed"))
+    with pytest.raises(RuntimeError):
+        await first
+    await second_write
+    await (await store.start_commit(shard, checkpoint_at(2), []))
+    seen = read_committed(db_url, shard, table)
+    assert (seen.rows, seen.checkpoint) == ([2], checkpoint_at(2))
+
+
+async def test_synchronous_transaction(new_store, db_url, shard, table):
+    store = new_store()
+    await store.restore_checkpoint(shard)
+    insert_row(store.transaction(), table, 7)
+    await (await store.start_commit(shard, checkpoint_at(7), []))
+    assert read_committed(db_url, shard, table).rows == [7]
+
+
+async def test_newer_instance_fences_older(new_store, db_url, shard, table):
+    a, b = new_store(), new_store()
+    await a.restore_checkpoint(shard)
+    await b.restore_checkpoint(shard)
+    assert (a.fence, b.fence) == (1, 2)
+
+    with pytest.raises(FencedError):
+        await (await commit_txn(a, table, 1))
+    assert read_committed(db_url, shard, table).rows == []  # A's write was rolled back
+
+    await (await commit_txn(b, table, 2))
+    with pytest.raises(FencedError):  # and A stays fenced
+        await (await commit_txn(a, table, 3))
+    seen = read_committed(db_url, shard, table)
+    assert (seen.fence, seen.rows, seen.checkpoint) == (2, [2], checkpoint_at(2))
+
+
+async def test_concurrent_first_restores_get_distinct_fences(new_store, db_url, shard, table):
+    """Two instances racing to create a new shard's row: one inserts, the other bumps."""
+    stores = [new_store() for _ in range(3)]
+    await asyncio.gather(*(store.restore_checkpoint(shard) for store in stores))
+    assert sorted(store.fence for store in stores) == [1, 2, 3]
+    assert read_committed(db_url, shard, table).fence == 3
+
+
+async def test_misuse_raises_store_error(new_store, db_url, shard, table):
+    store = new_store()
+    with pytest.raises(StoreError, match="before restore"):
+        await store.start_commit(shard, checkpoint_at(1), [])
+    await store.restore_checkpoint(shard)
+    await store.run(insert_row, table, 1)
+    await store.destroy()  # drops the uncommitted write
+    with pytest.raises(StoreError, match="destroyed"):
+        await store.restore_checkpoint(shard)
+    assert read_committed(db_url, shard, table).rows == []
+
+
+async def test_destroy_abandons_a_commit_still_waiting_on_dependencies(
+    new_store, db_url, shard, table
+):
+    store = new_store()
+    await store.restore_checkpoint(shard)
+    op = await commit_txn(store, table, 1, ManualOp())  # never resolves
+    await store.destroy()
+    assert op.done() and op.exception() is not None
+    assert read_committed(db_url, shard, table).rows == []
+
+
+# --- crashes: a writer process killed with SIGKILL ------------------------------
+
+
+async def spawn_writer(
+    url: str, shard: str, table: sa.Table, mode: str, pause_after: int = 0
+) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, __file__, url, shard, table.name, mode, str(pause_after),
+        stdout=asyncio.subprocess.PIPE, cwd=ROOT,
+    )
+
+
+async def next_line(proc: asyncio.subprocess.Process) -> str:
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), timeout=30)).decode().strip()
+    assert line, f"writer exited early with {await proc.wait()}"
+    return line
+
+
+async def kill(proc: asyncio.subprocess.Process) -> list[str]:
+    """SIGKILL the writer; returns the lines it printed but we had not read yet."""
+    proc.send_signal(signal.SIGKILL)
+    assert proc.stdout is not None
+    rest = (await proc.stdout.read()).decode().split()
+    assert await proc.wait() == -signal.SIGKILL
+    return rest
+
+
+def assert_consistent(seen: Committed) -> None:
+    """Rows 1..n exist exactly when the checkpoint says transaction n committed."""
+    n = seen.read_through
+    assert seen.rows == list(range(1, n + 1))
+    assert seen.checkpoint == (checkpoint_at(n) if n else consumer_pb.Checkpoint())
+
+
+async def test_killed_inside_commit_keeps_the_previous_commit(db_url, shard, table):
+    """Killed after state and checkpoint were written, before COMMIT reached the database."""
+    proc = await spawn_writer(db_url, shard, table, "pause", pause_after=3)
+    lines = [await next_line(proc) for _ in range(4)]
+    assert lines == ["COMMITTED 1", "COMMITTED 2", "COMMITTED 3", "PAUSED 4"]
+    await kill(proc)
+    seen = read_committed(db_url, shard, table)
+    assert (seen.rows, seen.read_through) == ([1, 2, 3], 3)
+    assert_consistent(seen)
+
+
+async def test_killed_at_random_moments_never_mixes(db_url, shard, table):
+    """Kill a busy writer at random moments; each restart continues from what committed."""
+    rng = random.Random(7)
+    for _ in range(4):
+        proc = await spawn_writer(db_url, shard, table, "loop")
+        printed = [await next_line(proc)]  # one commit is through: it is busy committing now
+        await asyncio.sleep(rng.uniform(0, 0.03))
+        printed += await kill(proc)
+        acknowledged = max(int(word) for word in " ".join(printed).split() if word.isdigit())
+        seen = read_committed(db_url, shard, table)
+        assert_consistent(seen)
+        # All acknowledged commits are durable, plus at most the one in flight.
+        assert acknowledged <= seen.read_through <= acknowledged + 1
+    assert seen.read_through >= 4
+
+
+# --- the writer process ------------------------------------------------------------
+
+
+async def _writer(url: str, shard: str, table: sa.Table, mode: str, pause_after: int) -> None:
+    """Commit transactions n+1, n+2, ... from the restored checkpoint n, forever.
+
+    Prints "COMMITTED n" after each commit. In "pause" mode, the commit after
+    `pause_after` ones stops just before its COMMIT and prints "PAUSED n".
+    """
+    store = SQLStore(url, shard)
+    n = (await store.restore_checkpoint(shard)).sources[JOURNAL].read_through
+
+    def hang_before_commit(_conn: sa.Connection) -> None:
+        if mode == "pause" and n > pause_after:
+            print(f"PAUSED {n}", flush=True)
+            time.sleep(600)
+
+    sa.event.listen(store.engine, "commit", hang_before_commit)
+    while True:
+        n += 1
+        await (await commit_txn(store, table, n))
+        print(f"COMMITTED {n}", flush=True)
+
+
+if __name__ == "__main__":
+    url_arg, shard_arg, table_arg, mode_arg, pause_arg = sys.argv[1:6]
+    asyncio.run(_writer(url_arg, shard_arg, app_table(table_arg), mode_arg, int(pause_arg)))
