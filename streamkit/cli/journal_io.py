@@ -8,7 +8,9 @@ are batched through an AppendService, so many lines share one RPC.
 Reads copy journal content to stdout as it arrives. Broker chunks don't
 respect record boundaries, so for line-oriented journals (by their
 content-type label) output is held back to the last newline; that keeps
-lines whole when several journals are followed into one stream.
+lines whole when several journals are followed into one stream. Reads of
+messages instead decode each frame with the journal's framing and print it
+as one JSON line, optionally read-committed (exactly once, acknowledged only).
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ from pathlib import Path
 from typing import IO
 
 import click
+import orjson
+from google.protobuf import json_format
+from google.protobuf.message import Message as ProtoMessage
+from pydantic import BaseModel
 
 from streamkit.cli.errors import DATA_ERROR, CliError, warn
 from streamkit.cli.output import plural
@@ -40,6 +46,9 @@ from streamkit.client import (
     RetryReader,
 )
 from streamkit.client.appender import CHUNK_SIZE, append_with_retries
+from streamkit.message.framing import UnknownFraming
+from streamkit.message.message import MessageLike
+from streamkit.message.reader import ReadCommitted, ReadUncommitted, journal_framing
 from streamkit.protocol import pb
 
 __all__ = [
@@ -251,6 +260,56 @@ class _JournalCopy:
             self.reader.close()
 
 
+def _json_line(message: MessageLike) -> bytes:
+    """One message as a line of JSON, whatever its kind."""
+    if isinstance(message, BaseModel):
+        return message.__pydantic_serializer__.to_json(message) + b"\n"
+    if isinstance(message, ProtoMessage):
+        message = json_format.MessageToDict(message, preserving_proto_field_name=True)
+    return orjson.dumps(message, default=str, option=orjson.OPT_APPEND_NEWLINE)
+
+
+class _MessageCopy:
+    """Prints one journal's messages to stdout as JSON lines, maybe read-committed."""
+
+    def __init__(
+        self, client: BrokerClient, spec: pb.JournalSpec, offset: int, *, block: bool,
+        committed: bool,
+    ) -> None:
+        self.journal = spec.name
+        self.client = client
+        self.start = offset
+        self.block = block
+        self.committed = committed
+        self.reader: ReadCommitted | ReadUncommitted | None = None
+
+    @property
+    def offset(self) -> int:
+        """Where to resume: after the last message printed."""
+        return self.start if self.reader is None else self.reader.offset
+
+    async def run(self) -> None:
+        """Print messages until the write head (non-blocking) or forever (blocking)."""
+        try:
+            framing = await journal_framing(self.client, self.journal)
+        except UnknownFraming as err:
+            raise CliError(f"journal {self.journal}: {err}", DATA_ERROR) from None
+        kind = ReadCommitted if self.committed else ReadUncommitted
+        self.reader = reader = kind(self.client, self.journal, dict, self.start, self.block,
+                                    framing=framing)
+        out = bytearray()
+        try:
+            async for env in reader:
+                out += _json_line(env.message)
+                if not reader.buffered:  # flush before the reader may wait for the broker
+                    _write_stdout(out)
+                    out.clear()
+        finally:
+            if out:
+                _write_stdout(out)
+            reader.close()
+
+
 async def write_head(client: BrokerClient, journal: str) -> int:
     """Where the next append to `journal` will land, asked with a metadata-only read.
 
@@ -284,7 +343,7 @@ def load_offsets(path: Path | None) -> dict[str, int]:
     return offsets
 
 
-def _save_offsets(path: Path, copies: list[_JournalCopy]) -> None:
+def _save_offsets(path: Path, copies: list[_JournalCopy | _MessageCopy]) -> None:
     offsets = {copy.journal: copy.offset for copy in copies}
     path.write_text(json.dumps(offsets, indent=2, sort_keys=True) + "\n")
 
@@ -297,14 +356,22 @@ async def read_journals(
     default_offset: int,
     block: bool,
     offsets_out: Path | None,
+    messages: bool = False,
+    committed: bool = False,
 ) -> None:
-    """Copy each journal to stdout: one after another, or all at once when following."""
-    copies = []
+    """Copy each journal to stdout: one after another, or all at once when following.
+
+    With `messages` (implied by `committed`), print decoded messages as JSON lines.
+    """
+    copies: list[_JournalCopy | _MessageCopy] = []
     for spec in specs:
         offset = offsets.get(spec.name, default_offset)
         if offset < 0:
             offset = await write_head(client, spec.name)
-        copies.append(_JournalCopy(client, spec, offset, block=block))
+        if messages or committed:
+            copies.append(_MessageCopy(client, spec, offset, block=block, committed=committed))
+        else:
+            copies.append(_JournalCopy(client, spec, offset, block=block))
     try:
         if block:
             await asyncio.gather(*(copy.run() for copy in copies))

@@ -268,17 +268,24 @@ async def append_cmd(journal: str | None, selector: str | None, input_path: str,
               help="JSON file of start offsets by journal (as --offsets-out writes).")
 @click.option("--offsets-out", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the offset reached in each journal to this JSON file on exit.")
+@click.option("--messages", is_flag=True,
+              help="Decode messages with the journal's framing (its content-type label) and "
+                   "print each as one line of JSON.")
+@click.option("--committed", is_flag=True,
+              help="Print only committed messages, each once (implies --messages). "
+                   "Transactions begun before the start offset are not seen.")
 @broker_option
 @async_command(interrupt_exit=0)
 async def read_cmd(journal: str | None, selector: str | None, offset: int | None, tail: bool,
                    block: bool, offsets_in: Path | None, offsets_out: Path | None,
-                   broker: str) -> None:
+                   messages: bool, committed: bool, broker: str) -> None:
     """Copy journal content to stdout.
 
     Without --block, stops at each journal's write head. With several journals
     they are read one after another, or all at once with --block; journals
     labeled with a line content-type (text/*, application/x-ndjson) are
-    written in whole lines. Skipped gaps are reported on stderr.
+    written in whole lines. Skipped gaps are reported on stderr. With
+    --messages or --committed, output is one JSON line per message.
     """
     if tail and offset not in (None, -1):
         raise CliError("--tail starts at the write head; it can't be combined with --offset",
@@ -288,7 +295,7 @@ async def read_cmd(journal: str | None, selector: str | None, offset: int | None
     async with BrokerClient(broker) as client:
         specs = [j.spec for j in await resolve_journals(client, journal, selector)]
         await copy_journals(client, specs, offsets, default_offset=start, block=block,
-                            offsets_out=offsets_out)
+                            offsets_out=offsets_out, messages=messages, committed=committed)
 
 
 @journals.command("fragments")
