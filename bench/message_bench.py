@@ -10,7 +10,7 @@ topic, and measures, on this machine:
 2. publish_committed_msgs_s: ~100-byte dict messages published committed
    through an AppendService, timed until every OpFuture has resolved;
 3. read_committed_msgs_s: ReadCommitted over what (2) wrote, all journals
-   one after the other (if streamkit.message.reader exists yet).
+   one after the other, decoded and sequenced.
 """
 
 from __future__ import annotations
@@ -45,13 +45,9 @@ from streamkit.message.mapping import (  # noqa: E402
     partitions_from,
 )
 from streamkit.message.publisher import Publisher  # noqa: E402
+from streamkit.message.reader import ReadCommitted  # noqa: E402
 from streamkit.protocol import pb  # noqa: E402
 from tests.brokerproc import BrokerProcess  # noqa: E402
-
-try:  # written in parallel with this benchmark; measured once it exists
-    from streamkit.message.reader import ReadCommitted  # type: ignore[import-not-found]
-except ImportError:
-    ReadCommitted = None
 
 TOPIC = "bench-messages"
 PAYLOAD = "x" * 24  # with key, n and the 36-character UUID: ~100 bytes per framed message
@@ -112,13 +108,6 @@ async def bench_publish(client: BrokerClient, mapping: MappingFunc, count: int
 
 async def bench_read_committed(client: BrokerClient, journals: list[str], count: int
                                ) -> dict[str, float]:
-    if ReadCommitted is None:
-        # TODO(lead): streamkit.message.reader.ReadCommitted didn't exist when this was
-        # written; this branch measures it once it does (the API assumed is
-        # ReadCommitted(client, journal, message_type=dict, offset=0, block=False),
-        # async-iterable over Envelopes).
-        print("read_committed: skipped (streamkit.message.reader.ReadCommitted missing)")
-        return {}
     total = 0
     started = time.perf_counter()
     for journal in journals:
