@@ -237,3 +237,27 @@ def content_type_of(labels: pb.LabelSet) -> str:
         if label.name == CONTENT_TYPE_LABEL:
             return label.value
     return ""
+
+
+def split_lines(pieces: list[bytes], data: bytes) -> tuple[list[bytes], bytes] | None:
+    """Complete lines (newlines removed) that `data` finishes, and the new unfinished tail.
+
+    `pieces` holds the unfinished last line across calls; it is joined only
+    once its newline arrives, so a long line fed in many chunks costs linear
+    time. Returns None (holding `data`) when `data` finishes no line.
+    """
+    last = data.rfind(b"\n")
+    if last < 0:
+        if data:
+            pieces.append(data)
+        return None
+    if pieces:
+        pieces.append(data[:last])
+        lines = b"".join(pieces).split(b"\n")
+        pieces.clear()
+    else:
+        lines = data[:last].split(b"\n")
+    tail = data[last + 1 :]
+    if tail:
+        pieces.append(tail)
+    return lines, tail

@@ -31,7 +31,7 @@ from uuid import UUID
 
 from pydantic import ValidationError
 
-from streamkit.message.framing import DecoderBase, acknowledgement_of, message_kind
+from streamkit.message.framing import DecoderBase, acknowledgement_of, message_kind, split_lines
 from streamkit.message.message import UUID_FIELD, Envelope, Message, MessageLike
 
 __all__ = ["CONTENT_TYPE", "CsvDecoder", "CsvFraming"]
@@ -181,19 +181,11 @@ class CsvDecoder(DecoderBase):
             self._start = self._line_start = offset
         data = bytes(chunk) if not isinstance(chunk, bytes) else chunk
         self._next = offset + len(data)
-        last = data.rfind(b"\n")
-        if last < 0:
-            if data:
-                self._pieces.append(data)
-                self._pending += len(data)
+        split = split_lines(self._pieces, data)
+        if split is None:
+            self._pending += len(data)
             return []
-        if self._pieces:
-            self._pieces.append(data[:last])
-            lines = b"".join(self._pieces).split(b"\n")
-            self._pieces.clear()
-        else:
-            lines = data[:last].split(b"\n")
-        tail = data[last + 1 :]
+        lines, tail = split
 
         # Group complete lines into records: [begin, end) and the record's bytes.
         spans: list[tuple[int, int, bytes]] = []
@@ -216,8 +208,6 @@ class CsvDecoder(DecoderBase):
         self._start = begin  # the unfinished record, if any, starts here
         self._line_start = end
         self._pending = (end - begin) + len(tail)
-        if tail:
-            self._pieces.append(tail)
         return self._decode(spans)
 
     def _decode(self, spans: list[tuple[int, int, bytes]]) -> list[Envelope]:

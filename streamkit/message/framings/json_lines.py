@@ -23,7 +23,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message as ProtoMessage
 from pydantic import ValidationError
 
-from streamkit.message.framing import DecoderBase, acknowledgement_of, message_kind
+from streamkit.message.framing import DecoderBase, acknowledgement_of, message_kind, split_lines
 from streamkit.message.message import UUID_FIELD, Envelope, Message, MessageLike
 
 __all__ = ["CONTENT_TYPE", "JsonLinesDecoder", "JsonLinesFraming"]
@@ -83,24 +83,14 @@ class JsonLinesDecoder(DecoderBase):
         data = bytes(chunk) if not isinstance(chunk, bytes) else chunk
         self._next = offset + len(data)
 
-        last = data.rfind(b"\n")
-        if last < 0:
-            if data:
-                self._pieces.append(data)
-                self._pending += len(data)
+        split = split_lines(self._pieces, data)
+        if split is None:
+            self._pending += len(data)
             return []
-        if self._pieces:
-            self._pieces.append(data[:last])
-            lines = b"".join(self._pieces).split(b"\n")
-            self._pieces.clear()
-        else:
-            lines = data[:last].split(b"\n")
+        lines, tail = split
         begin = self._start
-        tail = data[last + 1 :]
-        self._start = offset + last + 1
+        self._start = offset + len(data) - len(tail)
         self._pending = len(tail)
-        if tail:
-            self._pieces.append(tail)
 
         if self._kind == "dict":
             return self._decode_dicts(lines, begin)
