@@ -58,8 +58,11 @@ class Store(ABC):
     ) -> OpFuture:
         """Begin committing this transaction's state atomically with `checkpoint`.
 
-        Returns promptly with an OpFuture of the commit, so the runtime can go
-        on consuming while it runs. The commit itself happens only after every
+        Returns an OpFuture of the commit, so the runtime can go on consuming
+        while it becomes durable. SQLStore returns at once; recorded stores
+        (JSON, SQLite, RocksDB) first wait for `wait_for` and apply the commit
+        locally, leaving only the recovery-log append to the future, as
+        Gazette's do. The commit itself happens only after every
         future in `wait_for` (the transaction's appends to other journals)
         resolved successfully; if one fails, the commit fails with that error
         and nothing of the transaction is written. An external store also

@@ -1,0 +1,100 @@
+"""JSONFileStore: shard state kept in memory, rewritten as one recorded JSON file per commit.
+
+The application mutates `store.state` freely during a consumer transaction.
+At commit the store serializes the state together with the Checkpoint into
+one document, writes it to a temporary file and renames that over the state
+file. The rename is atomic, so a reader of the directory (and a playback of
+the recovery log, which records the rename as link/unlink ops) sees either
+the previous commit's file or this one's, never a torn mix.
+
+Durability is the recovery log's: the OpFuture `start_commit` returns is a
+recorder barrier, resolved once every op of the commit reached the log.
+
+`RecordedStore`, the part this store shares with SQLiteStore, also lives
+here: waiting for a transaction's dependencies before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from google.protobuf import json_format
+from pydantic import BaseModel
+
+from streamkit.client.append_service import OpFuture
+from streamkit.protocol import consumer_pb
+from streamkit.recoverylog.recorded_fs import RecordedFS
+from streamkit.stores.recorded import RecordedStore
+from streamkit.stores.store import StoreError
+
+__all__ = ["JSONFileStore"]
+
+
+class JSONFileStore(RecordedStore):
+    """Shard state as one JSON document (`path` in `fs`), rewritten at every commit.
+
+    `state` is a pydantic model instance or any JSON-serializable value. The
+    application reads and mutates `store.state`; `restore_checkpoint`
+    replaces it with the recovered state, of the same type (a model is
+    re-validated from the file).
+
+    `start_commit` returns once the transaction's dependencies resolved and
+    the file was rewritten locally; the returned OpFuture resolves once the
+    rewrite committed to the recovery log.
+    """
+
+    def __init__(self, fs: RecordedFS, state: Any, path: str = "state.json") -> None:
+        super().__init__(fs)
+        self.state = state
+        self.path = path
+        self._model: type[BaseModel] | None = type(state) if isinstance(state, BaseModel) else None
+
+    async def restore_checkpoint(self, shard_id: str) -> consumer_pb.Checkpoint:
+        self._check_open()
+        checkpoint = consumer_pb.Checkpoint()
+        if not self.fs.exists(self.path):
+            return checkpoint  # a shard never committed: keep the initial state
+        with self.fs.open(self.path, "rb") as f:
+            document = json.loads(f.read())
+        try:
+            state = document["state"]
+            self.state = self._model.model_validate(state) if self._model else state
+            json_format.ParseDict(document["checkpoint"], checkpoint)
+        except (KeyError, ValueError, json_format.ParseError) as error:
+            raise StoreError(f"shard {shard_id}: bad state file {self.path}: {error}") from error
+        return checkpoint
+
+    async def start_commit(
+        self,
+        shard_id: str,
+        checkpoint: consumer_pb.Checkpoint,
+        wait_for: Sequence[OpFuture],
+    ) -> OpFuture:
+        self._check_open()
+        # Serialized before waiting, so the commit holds exactly this transaction's state.
+        content = self._encode(checkpoint)
+        if (error := await self._failed_dependency(wait_for)) is not None:
+            return OpFuture.finished(error)
+        self._check_open()  # destroyed while waiting: write nothing
+        temp = f"{self.path}.next"
+        try:
+            with self.fs.open(temp, "wb") as f:
+                f.write(content)
+            self.fs.rename(temp, self.path)
+        except Exception as error:  # e.g. the recorder already failed
+            return OpFuture.finished(error)
+        return self.fs.fsync()
+
+    async def destroy(self) -> None:
+        """Nothing to release: the files belong to the RecordedFS's directory."""
+        self._destroyed = True
+
+    def _encode(self, checkpoint: consumer_pb.Checkpoint) -> bytes:
+        state = self.state.model_dump(mode="json") if self._model else self.state
+        document = {
+            "state": state,
+            "checkpoint": json_format.MessageToDict(checkpoint, preserving_proto_field_name=True),
+        }
+        return json.dumps(document, separators=(",", ":")).encode()

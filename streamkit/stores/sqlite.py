@@ -1,0 +1,221 @@
+"""SQLiteStore: an embedded SQLite database whose file writes are recorded to a recovery log.
+
+SQLite reaches the disk only through its VFS. The store registers a VFS of
+its own (an apsw.VFS layered on the default unix VFS) that performs every
+operation as usual and then records the ones that change files: opens for
+writing, writes, truncates and deletes, of the database and of its journal
+or WAL. Playing the log back therefore rebuilds the directory SQLite left
+behind, byte for byte, including a hot journal or a WAL with uncommitted
+frames if the writer died mid-commit; SQLite resolves those itself when the
+recovered database is opened, exactly as after a crash.
+
+Not recorded: temporary files (SQLite opens them without a name) and the
+WAL's `-shm` index, which the unix VFS maps into memory and never writes
+through xWrite; SQLite rebuilds it from the WAL when it is missing.
+
+xSync does not wait for the log: apsw calls the VFS synchronously on the
+event loop's thread, so it cannot block on an append. It needs not: ops
+reach the log in the order they were recorded, so any prefix of the log is
+a state SQLite's own crash recovery handles, and the commit's durability is
+the recorder barrier that `start_commit` returns. Nor does it fsync the
+local file: the directory is always rebuilt from the log, never trusted.
+
+Transactions: the store keeps one SQL transaction open on `store.db` at all
+times (BEGIN after restore and after every commit). The application issues
+its statements on `store.db` without BEGIN/COMMIT of its own (SAVEPOINTs
+are fine); `start_commit` adds the checkpoint row to that same transaction
+and commits it, so state and checkpoint land together. The checkpoint is
+one row of table `streamkit_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import apsw
+
+from streamkit.client.append_service import OpFuture
+from streamkit.protocol import consumer_pb
+from streamkit.recoverylog.recorded_fs import RecordedFS
+from streamkit.recoverylog.recorder import Recorder
+from streamkit.stores.recorded import RecordedStore
+from streamkit.stores.store import StoreError
+
+__all__ = ["CHECKPOINT_TABLE", "JournalMode", "RecordingVFS", "SQLiteStore"]
+
+CHECKPOINT_TABLE = "streamkit_checkpoint"
+
+JournalMode = Literal["DELETE", "WAL"]
+
+_vfs_ids = itertools.count(1)
+
+
+class RecordingVFS(apsw.VFS):
+    """The default unix VFS, with changes to files under `root` recorded by `recorder`."""
+
+    def __init__(self, name: str, root: Path, recorder: Recorder) -> None:
+        super().__init__(name, base="")
+        self.root = root.resolve()
+        self.recorder = recorder
+
+    def relative(self, name: str | apsw.URIFilename | None) -> str | None:
+        """`name` relative to the recorded root; None for temp files and files outside it."""
+        if name is None:
+            return None
+        filename = name.filename() if isinstance(name, apsw.URIFilename) else name
+        try:
+            return Path(filename).resolve().relative_to(self.root).as_posix()
+        except ValueError:
+            return None
+
+    def xOpen(self, name: str | apsw.URIFilename | None, flags: list[int]) -> apsw.VFSFile:
+        path = self.relative(name)
+        if path is None or not flags[0] & apsw.SQLITE_OPEN_READWRITE:
+            return apsw.VFSFile("", name, flags)  # nothing of it is recorded
+        return _RecordingFile(self, path, name, flags)
+
+    def xDelete(self, filename: str, syncdir: bool) -> None:
+        super().xDelete(filename, False)  # the local directory needs no sync: see above
+        path = self.relative(filename)
+        if path is not None and self.recorder.fnode_of(path) is not None:
+            self.recorder.record_remove(path)
+
+
+class _RecordingFile(apsw.VFSFile):
+    """A file of the base VFS whose writes and truncates are recorded."""
+
+    def __init__(
+        self,
+        vfs: RecordingVFS,
+        path: str,
+        name: str | apsw.URIFilename,
+        flags: list[int],
+    ) -> None:
+        super().__init__("", name, flags)
+        self.recorder = vfs.recorder
+        self.fnode = self.recorder.record_open(path)
+
+    def xWrite(self, data: bytes, offset: int) -> None:
+        super().xWrite(data, offset)
+        if self.recorder.is_live(self.fnode):
+            self.recorder.record_write(self.fnode, data, offset)
+
+    def xTruncate(self, newsize: int) -> None:
+        super().xTruncate(newsize)
+        if self.recorder.is_live(self.fnode):
+            size = self.xFileSize()
+            content = self.xRead(size, 0) if size else b""
+            self.fnode = self.recorder.record_replace(self.fnode, content)
+
+    def xSync(self, flags: int) -> None:
+        """Skipped: durability comes from the recovery log (see the module docstring)."""
+
+
+class SQLiteStore(RecordedStore):
+    """Shard state in an SQLite database (`filename` in `fs`), recorded to the recovery log.
+
+    `store.db` is the apsw Connection, available after `restore_checkpoint`,
+    always inside the current consumer transaction. `journal_mode` is DELETE
+    (default: each commit leaves just the database file) or WAL.
+
+    `start_commit` returns once the transaction's dependencies resolved and
+    SQLite committed locally; the returned OpFuture resolves once everything
+    SQLite wrote for the commit reached the recovery log.
+    """
+
+    def __init__(
+        self,
+        fs: RecordedFS,
+        filename: str = "db.sqlite",
+        journal_mode: JournalMode = "DELETE",
+    ) -> None:
+        super().__init__(fs)
+        self.filename = filename
+        self.journal_mode = journal_mode
+        self._vfs_name = f"streamkit-recorded-{os.getpid()}-{next(_vfs_ids)}"
+        self._vfs: RecordingVFS | None = None
+        self._db: apsw.Connection | None = None
+
+    @property
+    def db(self) -> apsw.Connection:
+        """The connection, inside the current consumer transaction."""
+        if self._db is None:
+            raise StoreError("the database is opened by restore_checkpoint")
+        return self._db
+
+    async def restore_checkpoint(self, shard_id: str) -> consumer_pb.Checkpoint:
+        self._check_open()
+        if self._db is None:
+            self._db = self._open()
+        db = self._db
+        if db.in_transaction:
+            db.execute("ROLLBACK")  # a previous assignment's uncommitted work is void
+        row = db.execute(f"SELECT checkpoint FROM {CHECKPOINT_TABLE} WHERE id = 0").fetchone()
+        checkpoint = consumer_pb.Checkpoint()
+        if row is not None:
+            checkpoint.ParseFromString(row[0])
+        db.execute("BEGIN")
+        return checkpoint
+
+    async def start_commit(
+        self,
+        shard_id: str,
+        checkpoint: consumer_pb.Checkpoint,
+        wait_for: Sequence[OpFuture],
+    ) -> OpFuture:
+        self._check_open()
+        db = self.db
+        data = checkpoint.SerializeToString(deterministic=True)
+        error = await self._failed_dependency(wait_for)
+        self._check_open()  # destroyed while waiting: the connection is gone
+        try:
+            if error is not None:
+                db.execute("ROLLBACK")  # nothing of the transaction is written
+                return OpFuture.finished(error)
+            db.execute(
+                f"INSERT OR REPLACE INTO {CHECKPOINT_TABLE}(id, checkpoint) VALUES (0, ?)",
+                (data,),
+            )
+            db.execute("COMMIT")
+        except Exception as failure:  # e.g. the recorder already failed mid-commit
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            return OpFuture.finished(failure)
+        finally:
+            if not db.in_transaction:
+                db.execute("BEGIN")  # the next consumer transaction
+        return self.fs.fsync()
+
+    async def destroy(self) -> None:
+        """Close the database (dropping the open transaction) and unregister the VFS."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self._db is not None:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            self._db.close()
+            self._db = None
+        if self._vfs is not None:
+            self._vfs.unregister()
+            self._vfs = None
+
+    def _open(self) -> apsw.Connection:
+        """Open the database through a recording VFS and prepare the checkpoint table."""
+        self._vfs = RecordingVFS(self._vfs_name, self.fs.root, self.fs.recorder)
+        db = apsw.Connection(
+            str(self.fs.local(self.filename)),
+            flags=apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_CREATE,
+            vfs=self._vfs_name,
+        )
+        db.execute(f"PRAGMA journal_mode={self.journal_mode}")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute(
+            f"CREATE TABLE IF NOT EXISTS {CHECKPOINT_TABLE}"
+            "(id INTEGER PRIMARY KEY CHECK (id = 0), checkpoint BLOB NOT NULL)"
+        )
+        return db

@@ -1,0 +1,243 @@
+"""JSONFileStore against a real broker: commits recover exactly, also after SIGKILL, and fence.
+
+The helpers here (checkpoints that number transactions, the killed-writer
+harness) are shared with tests/test_sqlite_store.py. Run as a module
+(`python -m tests.test_json_store ADDRESS LOG DIR`), this file is the writer
+process of the SIGKILL test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from streamkit.client import BrokerClient, OpFuture, RegisterMismatch
+from streamkit.protocol import consumer_pb
+from streamkit.recoverylog import CONTENT_TYPE
+from streamkit.recoverylog.recovery import recover
+from streamkit.stores.json_file import JSONFileStore
+from tests.brokerproc import BrokerProcess
+from tests.helpers_client import create_journal, unique_name
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARD = "shard-000"
+SOURCE = "input/part-000"
+
+# --- helpers shared with test_sqlite_store ------------------------------------
+
+
+def checkpoint_of(txn: int) -> consumer_pb.Checkpoint:
+    """The checkpoint of transaction `txn`: it read its source through offset 100 * txn."""
+    return consumer_pb.Checkpoint(
+        sources={SOURCE: consumer_pb.Checkpoint.Source(read_through=100 * txn)}
+    )
+
+
+def txn_of(checkpoint: consumer_pb.Checkpoint) -> int:
+    """The transaction number a checkpoint of `checkpoint_of` stands for (0: none)."""
+    source = checkpoint.sources.get(SOURCE)
+    return 0 if source is None else source.read_through // 100
+
+
+async def new_log(client: BrokerClient) -> str:
+    log = unique_name("store-log")
+    await create_journal(client, log, labels={"content-type": CONTENT_TYPE})
+    return log
+
+
+def run_and_kill_writer(module: str, *args: str, min_commits: int = 10) -> int:
+    """Run writer `module`, SIGKILL it at a random moment; the last commit it printed.
+
+    The writer prints each transaction number once its commit's OpFuture
+    resolved, so the recovered checkpoint may be that one or, if a commit was
+    in flight at the kill, the next.
+    """
+    rng = random.Random()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    target, last = rng.randint(min_commits, 3 * min_commits), 0
+    deadline = time.monotonic() + 15
+    try:
+        while last < target and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                raise AssertionError(f"writer exited {proc.wait()}: {proc.stderr.read()}")
+            last = int(line)
+        time.sleep(rng.uniform(0, 0.05))  # somewhere inside a later commit
+    finally:
+        proc.kill()
+    printed = proc.stdout.read().split()  # printed before the kill landed
+    proc.wait()
+    proc.stderr.close()
+    return int(printed[-1]) if printed else last
+
+
+# --- the workload --------------------------------------------------------------
+
+
+class Counts(BaseModel):
+    """A pydantic state: the workload's items and the last transaction applied."""
+
+    items: dict[str, list[int]] = {}
+    txn: int = 0
+
+
+def apply_txn(items: dict[str, list[int]], txn: int) -> None:
+    """Transaction `txn`'s mutations: random upserts and deletes, reproducible from `txn`."""
+    rng = random.Random(txn)
+    for _ in range(rng.randint(1, 8)):
+        key = f"k{rng.randrange(40)}"
+        if rng.random() < 0.3:
+            items.pop(key, None)
+        else:
+            items[key] = [txn, rng.randrange(1000)]
+
+
+def expected_items(txns: int) -> dict[str, list[int]]:
+    items: dict[str, list[int]] = {}
+    for txn in range(1, txns + 1):
+        apply_txn(items, txn)
+    return items
+
+
+def mutate(store: JSONFileStore, txn: int) -> None:
+    """Apply transaction `txn` to either kind of state the tests use."""
+    if isinstance(store.state, Counts):
+        apply_txn(store.state.items, txn)
+        store.state.txn = txn
+    else:
+        apply_txn(store.state, txn)
+
+
+# --- tests ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["dict", "model"])
+@pytest.mark.parametrize("use_hints", [False, True])
+async def test_random_workload_recovers_exactly(
+    shared_broker: BrokerProcess, tmp_path: Path, kind: str, use_hints: bool
+) -> None:
+    def initial() -> dict | Counts:
+        return Counts() if kind == "model" else {}
+
+    async with BrokerClient(shared_broker.address) as client:
+        log = await new_log(client)
+        fs = await recover(client, log, tmp_path / "primary")
+        store = JSONFileStore(fs, initial())
+        assert txn_of(await store.restore_checkpoint(SHARD)) == 0
+        for txn in range(1, 51):
+            mutate(store, txn)
+            await (await store.start_commit(SHARD, checkpoint_of(txn), []))
+        hints = await fs.recorder.build_hints() if use_hints else None
+        await store.destroy()
+
+    async with BrokerClient(shared_broker.address) as client:  # another process, as it were
+        fs = await recover(client, log, tmp_path / "standby", hints)
+        recovered = JSONFileStore(fs, initial())
+        assert txn_of(await recovered.restore_checkpoint(SHARD)) == 50
+        if kind == "model":
+            assert recovered.state == Counts(items=expected_items(50), txn=50)
+        else:
+            assert recovered.state == expected_items(50)
+        assert sorted(recovered.fs.listdir()) == ["state.json"]
+        await recovered.fs.recorder.close()
+
+
+async def test_failed_dependency_writes_nothing(
+    shared_broker: BrokerProcess, tmp_path: Path
+) -> None:
+    async with BrokerClient(shared_broker.address) as client:
+        log = await new_log(client)
+        fs = await recover(client, log, tmp_path / "primary")
+        store = JSONFileStore(fs, {})
+        await store.restore_checkpoint(SHARD)
+        store.state["a"] = 1
+        await (await store.start_commit(SHARD, checkpoint_of(1), []))
+
+        store.state["a"] = 2
+        pending = OpFuture()
+        commit = asyncio.ensure_future(
+            store.start_commit(SHARD, checkpoint_of(2), [OpFuture.finished(), pending])
+        )
+        await asyncio.sleep(0.05)
+        assert not commit.done()  # still waiting for its dependency
+        pending.fail(RuntimeError("append to an output journal failed"))
+        with pytest.raises(RuntimeError, match="output journal"):
+            await (await commit)
+
+        recovered = JSONFileStore(await recover(client, log, tmp_path / "standby"), {})
+        assert txn_of(await recovered.restore_checkpoint(SHARD)) == 1
+        assert recovered.state == {"a": 1}
+        await recovered.fs.recorder.close()
+
+
+async def test_hand_off_fences_the_previous_instance(
+    shared_broker: BrokerProcess, tmp_path: Path
+) -> None:
+    async with BrokerClient(shared_broker.address) as client:
+        log = await new_log(client)
+        first = JSONFileStore(await recover(client, log, tmp_path / "first"), {})
+        await first.restore_checkpoint(SHARD)
+        first.state["owner"] = "first"
+        await (await first.start_commit(SHARD, checkpoint_of(1), []))
+
+        second = JSONFileStore(await recover(client, log, tmp_path / "second"), {})
+        assert txn_of(await second.restore_checkpoint(SHARD)) == 1
+        first.state["owner"] = "zombie"
+        with pytest.raises(RegisterMismatch):
+            await (await first.start_commit(SHARD, checkpoint_of(2), []))
+        second.state["owner"] = "second"
+        await (await second.start_commit(SHARD, checkpoint_of(2), []))
+        await second.fs.recorder.close()
+
+        third = JSONFileStore(await recover(client, log, tmp_path / "third"), {})
+        assert txn_of(await third.restore_checkpoint(SHARD)) == 2
+        assert third.state == {"owner": "second"}
+        await third.fs.recorder.close()
+
+
+async def test_sigkilled_writer_recovers_a_whole_commit(
+    shared_broker: BrokerProcess, tmp_path: Path
+) -> None:
+    async with BrokerClient(shared_broker.address) as client:
+        log = await new_log(client)
+    last = await asyncio.to_thread(
+        run_and_kill_writer, "tests.test_json_store",
+        shared_broker.address, log, str(tmp_path / "writer"),
+    )
+    async with BrokerClient(shared_broker.address) as client:
+        store = JSONFileStore(await recover(client, log, tmp_path / "standby"), Counts())
+        txn = txn_of(await store.restore_checkpoint(SHARD))
+        assert last <= txn <= last + 1
+        assert store.state == Counts(items=expected_items(txn), txn=txn)
+        await store.fs.recorder.close()
+
+
+# --- the writer process --------------------------------------------------------
+
+
+async def _writer(address: str, log: str, directory: str) -> None:
+    """Commit transactions until killed, printing each once its commit is durable."""
+    async with BrokerClient(address) as client:
+        store = JSONFileStore(await recover(client, log, Path(directory)), Counts())
+        txn = txn_of(await store.restore_checkpoint(SHARD))
+        while txn < 100_000:
+            txn += 1
+            mutate(store, txn)
+            await (await store.start_commit(SHARD, checkpoint_of(txn), []))
+            print(txn, flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(_writer(*sys.argv[1:]))

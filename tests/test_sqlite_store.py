@@ -1,0 +1,224 @@
+"""SQLiteStore against a real broker: the recorded database recovers exactly, after SIGKILL too.
+
+Run as a module (`python -m tests.test_sqlite_store ADDRESS LOG DIR MODE`),
+this file is the writer process of the SIGKILL test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import cast
+
+import apsw
+import pytest
+
+from streamkit.client import BrokerClient, OpFuture, RegisterMismatch
+from streamkit.recoverylog.recovery import recover
+from streamkit.stores.sqlite import JournalMode, SQLiteStore
+from tests.brokerproc import BrokerProcess
+from tests.test_json_store import SHARD, checkpoint_of, new_log, run_and_kill_writer, txn_of
+
+MODES: list[JournalMode] = ["DELETE", "WAL"]
+
+
+def txn_ops(txn: int) -> Iterator[tuple[int, bytes | None]]:
+    """Transaction `txn`'s changes, reproducible: (key, row value) upserts, (key, None) deletes.
+
+    Values span several pages, so a torn commit would show.
+    """
+    rng = random.Random(txn)
+    for _ in range(rng.randint(1, 20)):
+        key = rng.randrange(200)
+        if rng.random() < 0.3:
+            yield key, None
+        else:
+            yield key, txn.to_bytes(4, "big") + rng.randbytes(rng.randrange(10, 6000))
+
+
+def apply_txn(db: apsw.Connection, txn: int) -> None:
+    db.execute("CREATE TABLE IF NOT EXISTS kv(k INTEGER PRIMARY KEY, v BLOB NOT NULL)")
+    for key, value in txn_ops(txn):
+        if value is None:
+            db.execute("DELETE FROM kv WHERE k = ?", (key,))
+        else:
+            db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (key, value))
+
+
+def expected_rows(txns: int) -> dict[int, bytes]:
+    rows: dict[int, bytes] = {}
+    for txn in range(1, txns + 1):
+        for key, value in txn_ops(txn):
+            if value is None:
+                rows.pop(key, None)
+            else:
+                rows[key] = value
+    return rows
+
+
+def rows_of(db: apsw.Connection) -> dict[int, bytes]:
+    """The kv table's content; also asserts the database is intact."""
+    assert db.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+    has_kv = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'kv'").fetchone()
+    return dict(db.execute("SELECT k, v FROM kv").fetchall()) if has_kv else {}
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_random_workload_recovers_exactly(
+    shared_broker: BrokerProcess, tmp_path: Path, mode: JournalMode
+) -> None:
+    async with BrokerClient(shared_broker.address) as client:
+        log = await new_log(client)
+        fs = await recover(client, log, tmp_path / "primary")
+        store = SQLiteStore(fs, journal_mode=mode)
+        assert txn_of(await store.restore_checkpoint(SHARD)) == 0
+        for txn in range(1, 51):
+            apply_txn(store.db, txn)
+            await (await store.start_commit(SHARD, checkpoint_of(txn), []))
+        hints = await fs.recorder.build_hints()
+        await store.destroy()  # WAL: checkpoints the WAL into the database, recorded
+        await fs.fsync()
+        primary_bytes = (tmp_path / "primary" / "db.sqlite").read_bytes()
+
+    async with BrokerClient(shared_broker.address) as client:  # another process, as it were
+        fs = await recover(client, log, tmp_path / "standby")
+        assert (tmp_path / "standby" / "db.sqlite").read_bytes() == primary_bytes
+        store = SQLiteStore(fs, journal_mode=mode)
+        assert txn_of(await store.restore_checkpoint(SHARD)) == 50
+        assert rows_of(store.db) == expected_rows(50)
+        await store.destroy()
+        await fs.recorder.close()
+
+        # Hints taken before the close (WAL: before the checkpoint) recover the same content.
+        fs = await recover(client, log, tmp_path / "hinted", hints)
+        store = SQLiteStore(fs, journal_mode=mode)
+        assert txn_of(await store.restore_checkpoint(SHARD)) == 50
+        assert rows_of(store.db) == expected_rows(50)
+        await store.destroy()
+        await fs.recorder.close()
+
+
+async def test_truncated_database_recovers(shared_broker: BrokerProcess, tmp_path: Path) -> None:
+    """A VACUUM shrinks the file (xTruncate): recorded as a re-create with the kept content."""
+    async with BrokerClient(shared_broker.address) as client:
+        log = await new_log(client)
+        fs = await recover(client, log, tmp_path / "primary")
+        store = SQLiteStore(fs)
+        await store.restore_checkpoint(SHARD)
+        for txn in range(1, 11):
+            apply_txn(store.db, txn)
+            await (await store.start_commit(SHARD, checkpoint_of(txn), []))
+        store.db.execute("DELETE FROM kv WHERE k % 2 = 0")
+        await (await store.start_commit(SHARD, checkpoint_of(11), []))
+        db_file = tmp_path / "primary" / "db.sqlite"
+        size = db_file.stat().st_size
+        store.db.execute("COMMIT")  # VACUUM runs outside a transaction: step out of the store's
+        store.db.execute("VACUUM")
+        store.db.execute("BEGIN")
+        assert db_file.stat().st_size < size
+        await fs.fsync()
+        primary_bytes = db_file.read_bytes()
+        await store.destroy()
+
+        fs = await recover(client, log, tmp_path / "standby")
+        assert (tmp_path / "standby" / "db.sqlite").read_bytes() == primary_bytes
+        recovered = SQLiteStore(fs)
+        assert txn_of(await recovered.restore_checkpoint(SHARD)) == 11
+        expected = {k: v for k, v in expected_rows(10).items() if k % 2}
+        assert rows_of(recovered.db) == expected
+        await recovered.destroy()
+        await fs.recorder.close()
+
+
+async def test_failed_dependency_rolls_back(shared_broker: BrokerProcess, tmp_path: Path) -> None:
+    async with BrokerClient(shared_broker.address) as client:
+        log = await new_log(client)
+        store = SQLiteStore(await recover(client, log, tmp_path / "primary"))
+        await store.restore_checkpoint(SHARD)
+        apply_txn(store.db, 1)
+        await (await store.start_commit(SHARD, checkpoint_of(1), []))
+        apply_txn(store.db, 2)
+        failed = OpFuture.finished(RuntimeError("append to an output journal failed"))
+        with pytest.raises(RuntimeError, match="output journal"):
+            await (await store.start_commit(SHARD, checkpoint_of(2), [failed]))
+        assert rows_of(store.db) == expected_rows(1)  # and the store goes on working
+        apply_txn(store.db, 2)
+        await (await store.start_commit(SHARD, checkpoint_of(2), []))
+        await store.destroy()
+
+        fs = await recover(client, log, tmp_path / "standby")
+        recovered = SQLiteStore(fs)
+        assert txn_of(await recovered.restore_checkpoint(SHARD)) == 2
+        assert rows_of(recovered.db) == expected_rows(2)
+        await recovered.destroy()
+        await fs.recorder.close()
+
+
+async def test_hand_off_fences_the_previous_instance(
+    shared_broker: BrokerProcess, tmp_path: Path
+) -> None:
+    async with BrokerClient(shared_broker.address) as client:
+        log = await new_log(client)
+        first = SQLiteStore(await recover(client, log, tmp_path / "first"))
+        await first.restore_checkpoint(SHARD)
+        apply_txn(first.db, 1)
+        await (await first.start_commit(SHARD, checkpoint_of(1), []))
+
+        second = SQLiteStore(await recover(client, log, tmp_path / "second"))
+        assert txn_of(await second.restore_checkpoint(SHARD)) == 1
+        first.db.execute("DELETE FROM kv")
+        with pytest.raises(RegisterMismatch):
+            await (await first.start_commit(SHARD, checkpoint_of(2), []))
+        await first.destroy()
+        apply_txn(second.db, 2)
+        await (await second.start_commit(SHARD, checkpoint_of(2), []))
+        await second.destroy()
+        await second.fs.recorder.close()
+
+        fs = await recover(client, log, tmp_path / "third")
+        third = SQLiteStore(fs)
+        assert txn_of(await third.restore_checkpoint(SHARD)) == 2
+        assert rows_of(third.db) == expected_rows(2)
+        await third.destroy()
+        await fs.recorder.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_sigkilled_writer_recovers_a_whole_commit(
+    shared_broker: BrokerProcess, tmp_path: Path, mode: JournalMode
+) -> None:
+    async with BrokerClient(shared_broker.address) as client:
+        log = await new_log(client)
+    last = await asyncio.to_thread(
+        run_and_kill_writer, "tests.test_sqlite_store",
+        shared_broker.address, log, str(tmp_path / "writer"), mode,
+    )
+    async with BrokerClient(shared_broker.address) as client:
+        fs = await recover(client, log, tmp_path / "standby")
+        store = SQLiteStore(fs, journal_mode=mode)
+        txn = txn_of(await store.restore_checkpoint(SHARD))
+        assert last <= txn <= last + 1
+        assert rows_of(store.db) == expected_rows(txn)
+        await store.destroy()
+        await fs.recorder.close()
+
+
+async def _writer(address: str, log: str, directory: str, mode: JournalMode) -> None:
+    """Commit transactions until killed, printing each once its commit is durable."""
+    async with BrokerClient(address) as client:
+        store = SQLiteStore(await recover(client, log, Path(directory)), journal_mode=mode)
+        txn = txn_of(await store.restore_checkpoint(SHARD))
+        while txn < 100_000:
+            txn += 1
+            apply_txn(store.db, txn)
+            await (await store.start_commit(SHARD, checkpoint_of(txn), []))
+            print(txn, flush=True)
+
+
+if __name__ == "__main__":
+    address, log, directory, mode = sys.argv[1:]
+    assert mode in MODES
+    asyncio.run(_writer(address, log, directory, cast(JournalMode, mode)))
