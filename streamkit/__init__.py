@@ -17,6 +17,17 @@ from streamkit.message.publisher import AckIntent, Publisher
 
 __version__ = "0.1.0"
 
+_STORES = ("JSONFileStore", "RocksDBStore", "SQLStore", "SQLiteStore")
+
+
+def __getattr__(name: str) -> object:
+    """The stores, imported on first use (their drivers are heavy)."""
+    if name in _STORES:
+        import streamkit.stores
+
+        return getattr(streamkit.stores, name)
+    raise AttributeError(f"module 'streamkit' has no attribute {name!r}")
+
 __all__ = [
     "AckIntent",
     "EmptyPartitions",
@@ -28,4 +39,5 @@ __all__ = [
     "partitions_from",
     "random_mapping",
     "rendezvous_mapping",
+    *_STORES,
 ]
