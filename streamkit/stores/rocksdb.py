@@ -1,0 +1,338 @@
+"""RocksDBStore: shard state in an embedded RocksDB, recorded to a recovery log.
+
+The database lives in the RecordedFS's root, a directory rebuilt from the
+shard's recovery log by `recover()`. rocksdict cannot hook RocksDB's file
+operations, so each commit writes to the database and then records how the
+directory changed (see `dir_observer`); the commit's OpFuture resolves once
+those recorded operations committed to the log, which is what makes the
+transaction durable. The local disk never needs to be: it is rebuilt.
+
+A consumer transaction's mutations collect in memory (reads see them) and go
+to the database in one WriteBatch together with the checkpoint, under a
+reserved key, so state and checkpoint land in the same atomic write. The next
+transaction's mutations start a fresh collection while a commit is in flight.
+
+Keys are bytes or str (str is stored UTF-8 encoded); values are bytes or any
+JSON value, stored with a one-byte tag so `get` returns the type `put` got.
+Keys starting with `RESERVED_PREFIX` belong to the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import orjson
+import rocksdict
+
+from streamkit.client.append_service import OpFuture
+from streamkit.protocol import consumer_pb, pb
+from streamkit.recoverylog.recorded_fs import RecordedFS
+from streamkit.stores.dir_observer import DirObserver, Observation
+from streamkit.stores.store import Store, StoreError
+
+__all__ = ["CHECKPOINT_KEY", "RESERVED_PREFIX", "RocksDBStore", "WriteBatch", "default_options"]
+
+T = TypeVar("T")
+Key = bytes | str
+
+RESERVED_PREFIX = b"\x00streamkit/"
+CHECKPOINT_KEY = RESERVED_PREFIX + b"checkpoint"
+
+_BYTES, _JSON = b"b", b"j"  # value tags
+MAX_MANIFEST_SIZE = 128 << 10  # small MANIFESTs roll often, so recovery reads little of them
+_MAX_PASSES = 200  # observation passes before a commit gives up on a still directory
+
+
+def default_options(
+    *, write_buffer_size: int | None = None, target_file_size: int | None = None
+) -> rocksdict.Options:
+    """Options in raw mode (what the store needs), optionally with smaller files for tests."""
+    options = rocksdict.Options(raw_mode=True)
+    options.create_if_missing(True)
+    if write_buffer_size is not None:
+        options.set_write_buffer_size(write_buffer_size)
+    if target_file_size is not None:
+        options.set_target_file_size_base(target_file_size)
+        options.set_max_bytes_for_level_base(4 * target_file_size)
+    return options
+
+
+def _key(key: Key) -> bytes:
+    raw = key.encode() if isinstance(key, str) else bytes(key)
+    if raw.startswith(RESERVED_PREFIX):
+        raise KeyError(f"key {raw!r} is in the store's reserved range")
+    return raw
+
+
+def _encode(value: Any) -> bytes:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return _BYTES + bytes(value)
+    return _JSON + orjson.dumps(value)
+
+
+def _decode(raw: bytes) -> Any:
+    tag, body = raw[:1], raw[1:]
+    if tag == _BYTES:
+        return body
+    if tag == _JSON:
+        return orjson.loads(body)
+    raise StoreError(f"value with unknown tag {tag!r}: not written by RocksDBStore")
+
+
+class WriteBatch:
+    """Mutations applied to the transaction together, or (if the block raises) not at all."""
+
+    def __init__(self) -> None:
+        self.mutations: dict[bytes, bytes | None] = {}
+
+    def put(self, key: Key, value: Any) -> None:
+        self.mutations[_key(key)] = _encode(value)
+
+    def delete(self, key: Key) -> None:
+        self.mutations[_key(key)] = None
+
+
+class _CommitFuture(OpFuture):
+    __slots__ = ()
+
+
+class RocksDBStore(Store):
+    """A Store in an embedded RocksDB, recorded to the recovery log of `fs`.
+
+    `fs` may also be a plain directory: then nothing is recorded, and
+    durability is the local disk's (for development and benchmarks).
+    `options` must be rocksdict Options in raw mode (see `default_options`);
+    the store turns off WAL recycling (a recycled WAL is rewritten in place)
+    and caps the MANIFEST. `sync` fsyncs the WAL on every commit; with a
+    recovery log the log is what is durable, so it may be turned off there.
+
+    The RecordedFS (and its recorder) stay the caller's to close.
+    """
+
+    def __init__(
+        self,
+        fs: RecordedFS | str | os.PathLike[str],
+        options: rocksdict.Options | None = None,
+        *,
+        sync: bool = True,
+    ) -> None:
+        self.fs = fs if isinstance(fs, RecordedFS) else None
+        self.path = fs.root if isinstance(fs, RecordedFS) else Path(fs)
+        self._options = options or default_options()
+        self._options.set_recycle_log_file_num(0)
+        self._options.set_max_manifest_file_size(MAX_MANIFEST_SIZE)
+        self._write_options = rocksdict.WriteOptions()
+        self._write_options.sync = sync  # a property in rocksdict, not a setter
+        self.observer = DirObserver(self.path, self.fs.recorder) if self.fs else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rocksdbstore")
+        self._db: rocksdict.Rdict | None = None
+        self._pending: dict[bytes, bytes | None] = {}
+        self._committing: dict[bytes, bytes | None] = {}
+        self._commit_op: _CommitFuture | None = None
+        self._commit_task: asyncio.Task[None] | None = None
+        self._failed: BaseException | None = None
+        self._waiting_on_dependencies = False
+        self._destroyed = False
+
+    # --- the application's side --------------------------------------------
+
+    def get(self, key: Key, default: Any = None) -> Any:
+        """The value of `key` as this transaction sees it (its own writes included)."""
+        raw = _key(key)
+        for overlay in (self._pending, self._committing):
+            if raw in overlay:
+                value = overlay[raw]
+                return default if value is None else _decode(value)
+        stored = self._open_db().get(raw)
+        return default if stored is None else _decode(stored)
+
+    def put(self, key: Key, value: Any) -> None:
+        """Set `key` to `value` (bytes, or anything JSON-serializable) in this transaction."""
+        self._check_usable()
+        self._pending[_key(key)] = _encode(value)
+
+    def delete(self, key: Key) -> None:
+        self._check_usable()
+        self._pending[_key(key)] = None
+
+    @contextlib.contextmanager
+    def write_batch(self) -> Iterator[WriteBatch]:
+        """A group of mutations that joins the transaction only if the block completes."""
+        self._check_usable()
+        batch = WriteBatch()
+        yield batch
+        self._pending.update(batch.mutations)
+
+    def items(self, prefix: Key = b"") -> Iterator[tuple[bytes, Any]]:
+        """(key, value) pairs under `prefix` in key order, as this transaction sees them."""
+        start = prefix.encode() if isinstance(prefix, str) else bytes(prefix)
+        overlay = {**self._committing, **self._pending}
+        changed = sorted(k for k in overlay if k.startswith(start))
+        stored = self._stored_items(start)
+        nxt = next(stored, None)
+        for key in changed:
+            while nxt is not None and nxt[0] < key:
+                yield nxt[0], _decode(nxt[1])
+                nxt = next(stored, None)
+            if nxt is not None and nxt[0] == key:
+                nxt = next(stored, None)
+            if overlay[key] is not None:
+                yield key, _decode(overlay[key])
+        while nxt is not None:
+            yield nxt[0], _decode(nxt[1])
+            nxt = next(stored, None)
+
+    # --- Store --------------------------------------------------------------
+
+    async def restore_checkpoint(self, shard_id: str) -> consumer_pb.Checkpoint:
+        """Open the database (rebuilt by playback) and read the checkpoint committed last.
+
+        Opening changes the directory (a new MANIFEST, WAL and OPTIONS), which
+        is recorded before this returns, so a failed fence shows up here.
+        """
+        self._check_usable()
+        if self._db is None:
+            if self.observer is not None:
+                self.observer.adopt()
+            self._db = await self._call(rocksdict.Rdict, str(self.path), self._options)
+            await self._call(self._check_raw_mode)
+            if self.observer is not None:
+                await self._record()
+                await self.observer.recorder.barrier()
+        checkpoint = consumer_pb.Checkpoint()
+        data = self._db.get(CHECKPOINT_KEY)
+        if data:
+            checkpoint.ParseFromString(data)
+        return checkpoint
+
+    async def start_commit(
+        self,
+        shard_id: str,
+        checkpoint: consumer_pb.Checkpoint,
+        wait_for: Sequence[OpFuture],
+    ) -> OpFuture:
+        self._check_usable()
+        if self._db is None:
+            raise StoreError(f"shard {shard_id}: start_commit before restore_checkpoint")
+        if self._commit_op is not None and not self._commit_op.done():
+            raise StoreError(f"shard {shard_id}: start_commit while a commit is in flight")
+        op = self._commit_op = _CommitFuture()
+        self._waiting_on_dependencies = True
+        self._committing, self._pending = self._pending, {}
+        data = checkpoint.SerializeToString(deterministic=True)
+        self._commit_task = asyncio.create_task(
+            self._commit(op, data, list(wait_for)), name=f"rocksdbstore-commit:{shard_id}"
+        )
+        return op
+
+    async def destroy(self) -> None:
+        """Finish (or abandon, if still waiting on dependencies) the commit in flight; close."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        task = self._commit_task
+        if task is not None and not task.done():
+            if self._waiting_on_dependencies:  # nothing written yet: drop the transaction
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        try:
+            if self._db is not None:
+                await self._call(self._db.close)
+        finally:
+            self._db = None
+            self._executor.shutdown(wait=True)
+
+    # --- internals ----------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._destroyed:
+            raise StoreError(f"store at {self.path} was destroyed")
+        if self._failed is not None:
+            raise StoreError(f"store at {self.path} failed a commit: {self._failed!r}")
+
+    def _open_db(self) -> rocksdict.Rdict:
+        self._check_usable()
+        if self._db is None:
+            raise StoreError("the store is not open: call restore_checkpoint first")
+        return self._db
+
+    def _stored_items(self, start: bytes) -> Iterator[tuple[bytes, bytes]]:
+        for key, value in self._open_db().items(from_key=start):
+            if not key.startswith(start):
+                return
+            if not key.startswith(RESERVED_PREFIX):
+                yield key, value
+
+    def _check_raw_mode(self) -> None:
+        config = self.path / "rocksdict-config.json"
+        if config.exists() and not json.loads(config.read_text()).get("raw_mode"):
+            raise StoreError(f"{self.path}: RocksDBStore needs Options(raw_mode=True)")
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on the store's worker thread (RocksDB calls block)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+
+    def _write_sync(self, mutations: dict[bytes, bytes | None], checkpoint: bytes) -> None:
+        """The transaction and its checkpoint, in one atomic write."""
+        assert self._db is not None
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        for key, value in mutations.items():
+            if value is None:
+                batch.delete(key)
+            else:
+                batch.put(key, value)
+        batch.put(CHECKPOINT_KEY, checkpoint)
+        self._db.write(batch, self._write_options)
+
+    def _write_and_scan(self, mutations: dict[bytes, bytes | None], checkpoint: bytes
+                        ) -> Observation | None:
+        """Write, then make the first observation pass: one trip to the worker thread."""
+        self._write_sync(mutations, checkpoint)
+        return None if self.observer is None else self.observer.scan()
+
+    async def _record(self, first: Observation | None = None) -> None:
+        """Record the directory's changes since the last commit point, up to a stable pass."""
+        observer = self.observer
+        assert observer is not None
+        for attempt in range(_MAX_PASSES):
+            if observer.record(first or await self._call(observer.scan)):
+                return
+            first = None
+            await asyncio.sleep(min(0.001 * attempt, 0.05))  # let the background work settle
+        raise StoreError(f"{self.path}: MANIFEST kept changing over {_MAX_PASSES} passes")
+
+    async def _commit(self, op: _CommitFuture, checkpoint: bytes, wait_for: list[OpFuture]
+                      ) -> None:
+        """Wait for the dependencies, write, record; resolve `op` once the log has it all."""
+        try:
+            for dependency in wait_for:
+                await dependency.wait()
+                if (error := dependency.exception()) is not None:
+                    raise error
+            self._waiting_on_dependencies = False
+            first = await self._call(self._write_and_scan, self._committing, checkpoint)
+            self._committing = {}
+            if self.observer is None:
+                response = pb.AppendResponse(status=pb.OK)
+            else:
+                await self._record(first)
+                response = await self.observer.recorder.barrier()
+        except BaseException as error:
+            self._waiting_on_dependencies = False
+            # The state the next transaction builds on is lost or unrecorded: the store is done.
+            self._failed = error
+            op.fail(error)
+            if isinstance(error, asyncio.CancelledError):
+                raise
+        else:
+            op.resolve(response)

@@ -1,0 +1,258 @@
+"""RocksDBStore: transactions, recording by directory diffs, recovery, crashes and fencing.
+
+Also runnable as the crash test's writer process:
+
+    python -m tests.test_rocksdb_store ADDRESS LOG DIRECTORY
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from streamkit.client import BrokerClient, OpFuture, RegisterMismatch
+from streamkit.protocol import consumer_pb
+from streamkit.recoverylog import CONTENT_TYPE, FSM, Recorder, rpb
+from streamkit.recoverylog.recovery import recover
+from streamkit.stores.dir_observer import DirObserver
+from streamkit.stores.rocksdb import RocksDBStore, default_options
+from streamkit.stores.store import StoreError
+from tests.brokerproc import BrokerProcess
+from tests.helpers_client import create_journal, unique_name
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = "input/part-000"
+KEYS = 200
+
+
+def small_files() -> Any:
+    """Tiny memtables and SSTs, so a few MiB of writes flush and compact many times."""
+    return default_options(write_buffer_size=64 << 10, target_file_size=64 << 10)
+
+
+def checkpoint_of(n: int) -> consumer_pb.Checkpoint:
+    cp = consumer_pb.Checkpoint()
+    cp.sources[SOURCE].read_through = n
+    return cp
+
+
+def transaction(n: int) -> dict[str, Any]:
+    """Transaction `n`'s mutations (None: delete), the same in every process."""
+    rng = random.Random(n)
+    txn: dict[str, Any] = {"count": n}
+    for _ in range(rng.randint(5, 30)):
+        key = f"k{rng.randrange(KEYS):04d}"
+        if rng.random() < 0.2:
+            txn[key] = None
+        elif rng.random() < 0.5:
+            txn[key] = {"n": n, "pad": "x" * rng.randrange(1, 500)}
+        else:
+            txn[key] = rng.randbytes(rng.randrange(500, 4000))  # incompressible bulk
+    return txn
+
+
+def model_after(n: int) -> dict[bytes, Any]:
+    state: dict[bytes, Any] = {}
+    for i in range(1, n + 1):
+        for key, value in transaction(i).items():
+            if value is None:
+                state.pop(key.encode(), None)
+            else:
+                state[key.encode()] = value
+    return state
+
+
+def apply(store: RocksDBStore, n: int) -> None:
+    with store.write_batch() as batch:
+        for key, value in transaction(n).items():
+            if value is None:
+                batch.delete(key)
+            else:
+                batch.put(key, value)
+
+
+async def new_log(client: BrokerClient) -> str:
+    log = unique_name("rocksdb-store")
+    await create_journal(client, log, length=4 << 20, labels={"content-type": CONTENT_TYPE})
+    return log
+
+
+async def reopen(client: BrokerClient, log: str, directory: Path
+                 ) -> tuple[RocksDBStore, consumer_pb.Checkpoint]:
+    fs = await recover(client, log, directory)
+    store = RocksDBStore(fs, small_files())
+    return store, await store.restore_checkpoint("shard")
+
+
+async def close(store: RocksDBStore) -> None:
+    await store.destroy()
+    if store.fs is not None:
+        await store.fs.recorder.close()
+
+
+# --- without a log -----------------------------------------------------------
+
+
+async def test_transactions_reads_and_types(tmp_path: Path) -> None:
+    store = RocksDBStore(tmp_path / "db")
+    assert await store.restore_checkpoint("shard") == consumer_pb.Checkpoint()
+    store.put("a", b"bytes")
+    store.put(b"b", {"json": [1, 2]})
+    store.put("c", "text")
+    store.delete("c")
+    assert store.get("a") == b"bytes" and store.get("b") == {"json": [1, 2]}
+    assert store.get("c", "gone") == "gone"
+    with pytest.raises(KeyError):
+        store.put(b"\x00streamkit/checkpoint", b"mine")
+    with pytest.raises(RuntimeError), store.write_batch() as batch:
+        batch.put("d", 1)
+        raise RuntimeError("the group is dropped")
+    assert store.get("d") is None
+
+    await (await store.start_commit("shard", checkpoint_of(1), []))
+    store.put("a", b"next")  # the next transaction, on top of the committed one
+    assert [k for k, _ in store.items()] == [b"a", b"b"]
+    assert store.get("a") == b"next"
+
+    failing = OpFuture.finished(RuntimeError("append failed"))
+    op = await store.start_commit("shard", checkpoint_of(2), [failing])
+    with pytest.raises(RuntimeError, match="append failed"):
+        await op
+    with pytest.raises(StoreError):
+        store.put("x", 1)
+    await store.destroy()
+
+    again = RocksDBStore(tmp_path / "db")
+    assert await again.restore_checkpoint("shard") == checkpoint_of(1)
+    assert dict(again.items()) == {b"a": b"bytes", b"b": {"json": [1, 2]}}
+    await again.destroy()
+
+
+async def test_observer_orders_and_holds_back_metadata(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MANIFEST/CURRENT and removals wait for a pass in which the MANIFEST held still."""
+    recorder = Recorder(None, "log", FSM(rpb.FSMHints(log="log")))  # type: ignore[arg-type]
+    observer = DirObserver(tmp_path, recorder)  # never started: ops just queue
+    for name, data in (("000001.sst", b"s" * 10), ("MANIFEST-000002", b"m1"),
+                       ("CURRENT", b"MANIFEST-000002\n"), ("LOG", b"info")):
+        (tmp_path / name).write_bytes(data)
+
+    scan = observer.scan()
+    scan.stable = False  # as if a flush edited the MANIFEST meanwhile
+    assert not observer.record(scan)
+    assert set(recorder.fsm.links) == {"/000001.sst"}
+    assert observer.record(observer.scan())
+    assert set(recorder.fsm.links) == {"/000001.sst", "/MANIFEST-000002", "/CURRENT"}
+    assert len(recorder._queue) == 2  # the metadata went into a batch of its own
+
+    with open(tmp_path / "MANIFEST-000002", "ab") as f:
+        f.write(b"m2")
+    (tmp_path / "x.dbtmp").write_bytes(b"MANIFEST-000002\n")
+    os.replace(tmp_path / "x.dbtmp", tmp_path / "CURRENT")
+    (tmp_path / "000001.sst").unlink()
+    kinds = {c.name: (c.kind, c.offset, c.data) for c in observer.scan().changes}
+    assert kinds == {
+        "MANIFEST-000002": ("append", 2, b"m2"),
+        "CURRENT": ("replace", 0, b"MANIFEST-000002\n"),
+        "000001.sst": ("remove", 0, b""),
+    }
+
+
+# --- recorded ----------------------------------------------------------------
+
+
+async def test_randomized_workload_recovers_and_fences(
+    shared_broker: BrokerProcess, tmp_path: Path
+) -> None:
+    async with BrokerClient(shared_broker.address) as client:
+        log = await new_log(client)
+        store, checkpoint = await reopen(client, log, tmp_path / "first")
+        assert checkpoint == consumer_pb.Checkpoint()
+        pending: OpFuture | None = None
+        for n in range(1, 61):
+            apply(store, n)  # built while the previous commit is still in flight
+            if pending is not None:
+                await pending
+            pending = await store.start_commit("shard", checkpoint_of(n), [])
+            if n % 20 == 0:
+                await asyncio.to_thread(store._db.compact_range, None, None)  # type: ignore[union-attr]
+        assert pending is not None
+        await pending
+        names = os.listdir(tmp_path / "first")
+        assert sum(name.endswith(".sst") for name in names) > 1
+        assert store.observer is not None and store.observer.bytes_recorded > 1 << 20
+
+        second, checkpoint = await reopen(client, log, tmp_path / "second")
+        assert checkpoint == checkpoint_of(60)
+        assert dict(second.items()) == model_after(60)
+
+        apply(store, 61)  # the first store was fenced by the second recover()
+        with pytest.raises(RegisterMismatch):
+            await (await store.start_commit("shard", checkpoint_of(61), []))
+        await close(store)  # the recorder's failure is sticky; closing it does not raise
+
+        apply(second, 61)
+        await (await second.start_commit("shard", checkpoint_of(61), []))
+        await close(second)
+        third, checkpoint = await reopen(client, log, tmp_path / "third")
+        assert checkpoint == checkpoint_of(61)
+        assert dict(third.items()) == model_after(61)
+        await close(third)
+
+
+async def test_sigkill_at_random_recovers_a_committed_state(
+    shared_broker: BrokerProcess, tmp_path: Path
+) -> None:
+    rng = random.Random()
+    async with BrokerClient(shared_broker.address) as client:
+        log = await new_log(client)
+        last = 0
+        for round_ in range(3):  # each round recovers what the killed writer left
+            writer = subprocess.Popen(
+                [sys.executable, "-m", "tests.test_rocksdb_store", shared_broker.address, log,
+                 str(tmp_path / f"writer{round_}")],
+                cwd=ROOT, stdout=subprocess.PIPE, text=True,
+            )
+            assert writer.stdout is not None
+            kill_after = last + rng.randint(5, 40)
+            started = time.monotonic()
+            for line in writer.stdout:
+                last = int(line)
+                if last >= kill_after or time.monotonic() - started > 8:
+                    break
+            await asyncio.sleep(rng.random() * 0.05)  # land mid-commit, mid-flush, ...
+            writer.send_signal(signal.SIGKILL)
+            writer.wait()
+
+            store, checkpoint = await reopen(client, log, tmp_path / f"check{round_}")
+            n = checkpoint.sources[SOURCE].read_through
+            assert n >= last
+            assert dict(store.items()) == model_after(n)
+            await close(store)
+            last = n
+
+
+async def _writer(address: str, log: str, directory: Path) -> None:
+    """Commit transactions forever, printing each number once its commit resolved."""
+    async with BrokerClient(address) as client:
+        store, checkpoint = await reopen(client, log, directory)
+        n = checkpoint.sources[SOURCE].read_through
+        while True:
+            n += 1
+            apply(store, n)
+            await (await store.start_commit("shard", checkpoint_of(n), []))
+            print(n, flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(_writer(sys.argv[1], sys.argv[2], Path(sys.argv[3])))
