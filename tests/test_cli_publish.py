@@ -72,9 +72,12 @@ def test_keyed_lines_land_once_where_the_mapping_says(shared_broker: BrokerProce
     args = ["-l", selector, "--key", "user"] + (["-m", kind] if kind != "modulo" else [])
     result = run(shared_broker.address, *args, input=json_lines(messages))
     assert result.returncode == 0, result.stderr.decode()
-    assert "published 300 messages to 3 journals" in result.stderr.decode()
-
     expected = modulo if kind == "modulo" else rendezvous
+    # Topic names are random, so the 11 keys may well avoid one of the journals.
+    used = len({expected(m["user"], names) for m in messages})
+    plural = "journal" if used == 1 else "journals"
+    assert f"published 300 messages to {used} {plural}" in result.stderr.decode()
+
     landed = contents(shared_broker, names)
     numbers = []
     for journal, lines in landed.items():
