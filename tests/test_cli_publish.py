@@ -88,7 +88,7 @@ def test_keyed_lines_land_once_where_the_mapping_says(shared_broker: BrokerProce
             assert flags == Flags.OUTSIDE_TXN
             producers.add(producer)
             numbers.append(line["n"])
-        assert len(producers) == 1
+        assert len(producers) == (1 if lines else 0)  # one publisher wrote them all
     assert sorted(numbers) == list(range(300))
 
 
