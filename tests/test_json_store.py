@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from streamkit.client import BrokerClient, OpFuture, RegisterMismatch
 from streamkit.protocol import consumer_pb
-from streamkit.recoverylog import CONTENT_TYPE
+from streamkit.recoverylog import CONTENT_TYPE, FSM, RecordedFS, Recorder, rpb
 from streamkit.recoverylog.recovery import recover
 from streamkit.stores.json_file import JSONFileStore
 from tests.brokerproc import BrokerProcess
@@ -180,6 +180,22 @@ async def test_failed_dependency_writes_nothing(
         assert txn_of(await recovered.restore_checkpoint(SHARD)) == 1
         assert recovered.state == {"a": 1}
         await recovered.fs.recorder.close()
+
+
+async def test_restore_without_a_state_file_resets_to_the_initial_state(tmp_path: Path) -> None:
+    """A never-committed shard restores to the constructor's state, not a previous attempt's."""
+    fs = RecordedFS(tmp_path, Recorder(None, "log", FSM(rpb.FSMHints(log="log"))))  # type: ignore[arg-type]
+    store = JSONFileStore(fs, {"items": []})
+    assert await store.restore_checkpoint(SHARD) == consumer_pb.Checkpoint()
+    store.state["items"].append(1)  # an uncommitted transaction, then a re-assignment
+    await store.restore_checkpoint(SHARD)
+    assert store.state == {"items": []}
+
+    model = JSONFileStore(fs, Counts())
+    await model.restore_checkpoint(SHARD)
+    model.state.txn = 7
+    await model.restore_checkpoint(SHARD)
+    assert model.state == Counts()
 
 
 async def test_hand_off_fences_the_previous_instance(

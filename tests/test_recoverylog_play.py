@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from streamkit.client import BrokerClient, RegisterMismatch, append_bytes
+from streamkit.protocol import pb
 from streamkit.recoverylog import (
     CONTENT_TYPE,
     FSM,
@@ -23,9 +24,10 @@ from streamkit.recoverylog import (
     new_random_author,
     rpb,
 )
-from streamkit.recoverylog.fsm import encode_frame
+from streamkit.recoverylog.fsm import _op_kind, encode_frame
+from streamkit.recoverylog.recorder import RecorderClosed
 from tests.brokerproc import BrokerProcess
-from tests.helpers_client import create_journal, unique_name
+from tests.helpers_client import create_journal, eventually, fragment_files, unique_name
 
 
 @pytest.fixture
@@ -285,3 +287,109 @@ async def test_flipped_byte_is_detected(client: BrokerClient, tmp_path: Path) ->
     await append_bytes(client, log, [bytes(corrupt), frames[1]])
     await _assert_playback_fails(client, log, tmp_path / "out", len(corrupt), "checksum mismatch")
     assert not os.path.exists(tmp_path / "out")
+
+
+async def test_gap_without_a_hint_ahead_stops_playback(
+    broker_proc: BrokerProcess, tmp_path: Path
+) -> None:
+    """A deleted fragment whose ops no later op reveals is an error, not a silent skip.
+
+    The log: [create + write v1][write v2][a stale duplicate noop]. With the
+    middle fragment gone, playback without hints would otherwise end at v1.
+    """
+    async with BrokerClient(broker_proc.address) as client:
+        log = unique_name("recoverylog-gap")
+        await create_journal(client, log, length=1024, labels={"content-type": CONTENT_TYPE})
+        recorder = await start_recorder(client, log)
+        (tmp_path / "live").mkdir()
+        fs = RecordedFS(tmp_path / "live", recorder)
+        with fs.open("a", "wb") as f:
+            f.write(b"1" * 2000)  # each append exceeds the fragment length: rolls the spool
+            await f.fsync()
+            gap_at = recorder.write_head
+            f.seek(0)
+            f.write(b"2" * 2000)
+            await f.fsync()
+        stale = rpb.RecordedOp(seq_no=1, author=new_random_author())
+        await append_bytes(client, log, encode_frame(stale))
+        await recorder.close()
+
+        spools = broker_proc.data_dir / "journals" / log / "@spool"
+        await eventually(lambda: len(fragment_files(broker_proc.data_dir, log)) == 2
+                         and len(list(spools.glob("*.spool"))) == 1)
+        fragment_files(broker_proc.data_dir, log)[1].unlink()  # the write of v2 is gone
+        await asyncio.to_thread(broker_proc.restart)
+
+    async with BrokerClient(broker_proc.address) as client:
+        with pytest.raises(RecoveryLogError, match="missing") as info:
+            await play(client, rpb.FSMHints(log=log), tmp_path / "out")
+        assert info.value.offset == gap_at
+        assert not (tmp_path / "out").exists()
+
+
+def _frames_per_batch(recorder: Recorder) -> list[list[str]]:
+    """The op kinds of each queued batch, decoded from its parts."""
+    batches = []
+    for batch in recorder._queue:
+        kinds, parts = [], list(batch.parts)
+        while parts:
+            parts.pop(0)  # the frame header
+            op = rpb.RecordedOp.FromString(parts.pop(0))
+            kind = _op_kind(op) or "noop"
+            kinds.append(kind)
+            if kind == "write" and op.write.length:
+                parts.pop(0)  # its data
+        batches.append(kinds)
+    return batches
+
+
+async def test_full_batches_roll_over_only_between_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rename's or a replace's ops are never split over two appends by MAX_BATCH."""
+    monkeypatch.setattr("streamkit.recoverylog.recorder.MAX_BATCH", 1)
+    recorder = Recorder(None, "log", FSM(rpb.FSMHints(log="log")))  # type: ignore[arg-type]
+    a = recorder.record_create("/a")
+    recorder.record_write(a, b"x", 0)
+    recorder.record_create("/b")
+    recorder.record_rename("/b", "/a")  # unlink /a, link /a, unlink /b
+    recorder.record_replace(recorder.fnode_of("/a"), b"new")  # unlink, create, write
+    assert _frames_per_batch(recorder) == [
+        ["create"], ["write"], ["create"],
+        ["unlink", "link", "unlink"],
+        ["unlink", "create", "write"],
+    ]
+
+
+async def test_close_fails_batches_it_never_appended(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ops queued when close() stops the dispatch task fail instead of hanging forever."""
+    stuck = asyncio.Event()  # never set: appends after the first hang, like an unreachable broker
+    calls = 0
+
+    async def append(*args: object, **kwargs: object) -> object:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            await stuck.wait()
+        return pb.AppendResponse(status=pb.OK)
+
+    monkeypatch.setattr("streamkit.recoverylog.recorder.append_with_retries", append)
+    recorder = Recorder(None, "log", FSM(rpb.FSMHints(log="log")))  # type: ignore[arg-type]
+    await recorder.start()
+    recorder.record_create("/a")
+    pending = recorder.barrier()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(recorder.close(), 0.2)  # its flush hangs: cancelled
+    with pytest.raises(RecorderClosed):
+        await asyncio.wait_for(pending, 2)
+    with pytest.raises(RecorderClosed):
+        recorder.record_create("/b")
+
+
+async def test_failed_record_open_closes_the_fd(tmp_path: Path) -> None:
+    recorder = Recorder(None, "log", FSM(rpb.FSMHints(log="log")))  # type: ignore[arg-type]
+    fs = RecordedFS(tmp_path, recorder)
+    recorder._error = RuntimeError("append failed")  # sticky: every record call raises
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(RuntimeError, match="append failed"):
+            fs.open("a", "wb")
+    assert len(os.listdir("/proc/self/fd")) == before

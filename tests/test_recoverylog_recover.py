@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from streamkit.client import BrokerClient, RegisterMismatch
-from streamkit.recoverylog import CONTENT_TYPE
+from streamkit.recoverylog import CONTENT_TYPE, rpb
 from streamkit.recoverylog.recovery import recover
 from tests.brokerproc import BrokerProcess
 from tests.helpers_client import create_journal, unique_name
@@ -38,3 +38,8 @@ async def test_recover_rebuilds_and_fences_the_previous_recorder(
         third = await recover(client, log, tmp_path / "third")
         assert (tmp_path / "third" / "state.json").read_bytes() == b'{"n": 2}'
         await third.recorder.close()
+
+
+async def test_recover_refuses_hints_of_another_log(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="hints are of log"):
+        await recover(None, "a/log", tmp_path, rpb.FSMHints(log="another/log"))  # type: ignore[arg-type]

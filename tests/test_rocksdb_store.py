@@ -137,6 +137,31 @@ async def test_transactions_reads_and_types(tmp_path: Path) -> None:
     await again.destroy()
 
 
+async def test_destroy_before_the_commit_task_ran_fails_its_op(tmp_path: Path) -> None:
+    """A commit cancelled before its first step still resolves its OpFuture (as failed)."""
+    store = RocksDBStore(tmp_path / "db")
+    await store.restore_checkpoint("shard")
+    store.put("a", 1)
+    op = await store.start_commit("shard", checkpoint_of(1), [])
+    await store.destroy()  # the commit task has not been scheduled yet
+    with pytest.raises(StoreError, match="destroyed"):
+        await asyncio.wait_for(op, 5)
+
+
+async def test_restore_drops_uncommitted_mutations(tmp_path: Path) -> None:
+    """A second restore_checkpoint starts a fresh transaction: earlier puts are void."""
+    store = RocksDBStore(tmp_path / "db")
+    await store.restore_checkpoint("shard")
+    store.put("kept", 1)
+    await (await store.start_commit("shard", checkpoint_of(1), []))
+    store.put("dropped", 2)
+    assert await store.restore_checkpoint("shard") == checkpoint_of(1)
+    assert store.get("dropped") is None
+    await (await store.start_commit("shard", checkpoint_of(2), []))
+    assert dict(store.items()) == {b"kept": 1}
+    await store.destroy()
+
+
 async def test_observer_orders_and_holds_back_metadata(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,6 +19,7 @@ import pytest
 from streamkit.client import BrokerClient, OpFuture, RegisterMismatch
 from streamkit.recoverylog.recovery import recover
 from streamkit.stores.sqlite import JournalMode, SQLiteStore
+from streamkit.stores.store import StoreError
 from tests.brokerproc import BrokerProcess
 from tests.test_json_store import SHARD, checkpoint_of, new_log, run_and_kill_writer, txn_of
 
@@ -153,6 +154,36 @@ async def test_failed_dependency_rolls_back(shared_broker: BrokerProcess, tmp_pa
         recovered = SQLiteStore(fs)
         assert txn_of(await recovered.restore_checkpoint(SHARD)) == 2
         assert rows_of(recovered.db) == expected_rows(2)
+        await recovered.destroy()
+        await fs.recorder.close()
+
+
+async def test_transaction_ended_by_sqlite_fails_the_commit(
+    shared_broker: BrokerProcess, tmp_path: Path
+) -> None:
+    """INSERT OR ROLLBACK ends the store's transaction: later writes must not autocommit."""
+    async with BrokerClient(shared_broker.address) as client:
+        log = await new_log(client)
+        store = SQLiteStore(await recover(client, log, tmp_path / "primary"))
+        await store.restore_checkpoint(SHARD)
+        apply_txn(store.db, 1)
+        await (await store.start_commit(SHARD, checkpoint_of(1), []))
+
+        key = next(k for k, v in txn_ops(1) if v is not None)
+        with pytest.raises(apsw.ConstraintError):
+            store.db.execute("INSERT OR ROLLBACK INTO kv VALUES (?, x'00')", (key,))
+        assert not store.db.in_transaction
+        with pytest.raises(apsw.ConstraintError):  # vetoed by the store's commit hook
+            store.db.execute("INSERT OR REPLACE INTO kv VALUES (?, x'01')", (key,))
+        op = await asyncio.wait_for(store.start_commit(SHARD, checkpoint_of(2), []), 5)
+        with pytest.raises(StoreError, match="ended before its commit"):
+            await asyncio.wait_for(op, 5)
+        await store.destroy()
+
+        fs = await recover(client, log, tmp_path / "standby")
+        recovered = SQLiteStore(fs)
+        assert txn_of(await recovered.restore_checkpoint(SHARD)) == 1
+        assert rows_of(recovered.db) == expected_rows(1)
         await recovered.destroy()
         await fs.recorder.close()
 

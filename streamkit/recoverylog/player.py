@@ -323,9 +323,17 @@ class _Playback:
             self.read_through = self.heads[self.log]
 
     def _jumped(self, jump: OffsetJump) -> None:
-        """Content is missing (deleted fragments): fatal if it held hinted ops."""
+        """Content is missing (deleted fragments): fatal unless it lies before the next hint.
+
+        Without a hinted segment ahead to resume at, nothing tells what the gap
+        held: if no later op revealed its missing seq_nos, playback would end at
+        an older state and a hand-off would build on it. So only a gap ending at
+        or before the next hinted segment's first offset is skipped.
+        """
         reader, segment = self.reader, self.fsm.next_hinted_segment
-        if reader.buffered or (segment is not None and segment.first_offset < jump.to_offset):
+        skippable = (segment is not None and segment.log == reader.log
+                     and jump.to_offset <= segment.first_offset)
+        if reader.buffered or not skippable:
             raise RecoveryLogError(reader.log, jump.from_offset,
                                    f"log content is missing up to {jump.to_offset}")
         reader.seek(reader.log, jump.to_offset)

@@ -44,12 +44,17 @@ class RecordedFile:
         self.fnode = 0
         if self.writable:
             previous = fs.recorder.fnode_of(path)
-            self.fnode = fs.recorder.record_open(
-                path,
-                create=bool(flags & os.O_CREAT),
-                truncate=bool(flags & os.O_TRUNC),
-                exclusive=bool(flags & os.O_EXCL),
-            )
+            try:
+                self.fnode = fs.recorder.record_open(
+                    path,
+                    create=bool(flags & os.O_CREAT),
+                    truncate=bool(flags & os.O_TRUNC),
+                    exclusive=bool(flags & os.O_EXCL),
+                )
+            except BaseException:  # e.g. the recorder failed: no handle to close the fd
+                os.close(self._fd)
+                self._fd = -1
+                raise
             if previous is not None and previous != self.fnode:
                 fs._replaced(previous, self.fnode)  # truncated: open handles follow
             fs._opened(self)

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import posixpath
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from streamkit.client import BrokerClient, OpFuture
 from streamkit.client.appender import append_with_retries
@@ -32,9 +32,13 @@ from streamkit.recoverylog.fsm import (
     new_random_author,
 )
 
-__all__ = ["Recorder", "normalize_path"]
+__all__ = ["Recorder", "RecorderClosed", "normalize_path"]
 
-MAX_BATCH = 8 << 20  # a batch this large takes no more ops (one op may exceed it)
+MAX_BATCH = 8 << 20  # a batch this large takes no more groups of ops (one group may exceed it)
+
+
+class RecorderClosed(RuntimeError):
+    """The Recorder was closed (or its dispatch task stopped) before these ops were appended."""
 
 
 def normalize_path(path: str) -> str:
@@ -85,6 +89,7 @@ class Recorder:
         self._wakeup = asyncio.Event()
         self._error: BaseException | None = None
         self._task: asyncio.Task[None] | None = None
+        self._group_depth = 0
 
     async def start(self) -> None:
         """Start dispatching, and learn the write head with a (fenced) barrier."""
@@ -92,7 +97,12 @@ class Recorder:
         await self.barrier()
 
     async def close(self) -> None:
-        """Flush queued ops (raising a failure) and stop the dispatch task."""
+        """Flush queued ops (raising a failure) and stop the dispatch task.
+
+        Whatever is still queued once the task stopped (close was cancelled, or
+        ops were recorded after its flush) fails with RecorderClosed, as does
+        every later record call: nobody is left to append them.
+        """
         try:
             if self._error is None:
                 await self.barrier()
@@ -101,6 +111,7 @@ class Recorder:
                 self._task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._task
+            self._fail(self._error or RecorderClosed(f"recorder of {self.journal} is closed"))
 
     # --- recording ---------------------------------------------------------
 
@@ -136,19 +147,21 @@ class Recorder:
 
         Gazette's log has no truncate op, so the file is re-created under all
         its links and `content` is written afresh. Truncating to empty (what
-        stores do) costs just the re-create.
+        stores do) costs just the re-create. One group: a crash never leaves
+        the paths unlinked, or the file empty, in the log.
         """
         node = self.fsm.live_nodes.get(fnode)
         if node is None:
             raise FileNotFoundError(f"fnode {fnode} is not live")
         first, *others = sorted(node.links)
-        for link in [first, *others]:
-            self._process(rpb.RecordedOp(unlink=rpb.RecordedOp.Link(fnode=fnode, path=link)))
-        new = self._process(rpb.RecordedOp(create=rpb.RecordedOp.Create(path=first)))
-        for link in others:
-            self._process(rpb.RecordedOp(link=rpb.RecordedOp.Link(fnode=new, path=link)))
-        if content:
-            self.record_write(new, content, 0)
+        with self.group():
+            for link in [first, *others]:
+                self._process(rpb.RecordedOp(unlink=rpb.RecordedOp.Link(fnode=fnode, path=link)))
+            new = self._process(rpb.RecordedOp(create=rpb.RecordedOp.Create(path=first)))
+            for link in others:
+                self._process(rpb.RecordedOp(link=rpb.RecordedOp.Link(fnode=new, path=link)))
+            if content:
+                self.record_write(new, content, 0)
         return new
 
     def record_remove(self, path: str) -> None:
@@ -164,17 +177,37 @@ class Recorder:
                                                               path=target)))
 
     def record_rename(self, src: str, target: str) -> None:
-        """Record a rename: unlink what `target` held, link `target`, unlink `src`."""
+        """Record a rename: unlink what `target` held, link `target`, unlink `src`.
+
+        One group, so the log never holds `target` unlinked but not re-linked.
+        """
         src, target = normalize_path(src), normalize_path(target)
         fnode = self._fnode(src)
         previous = self.fsm.links.get(target)
         if previous == fnode:
             return  # POSIX: renaming a file onto a link of itself changes nothing
-        if previous is not None:
-            self._process(rpb.RecordedOp(unlink=rpb.RecordedOp.Link(fnode=previous,
-                                                                    path=target)))
-        self._process(rpb.RecordedOp(link=rpb.RecordedOp.Link(fnode=fnode, path=target)))
-        self._process(rpb.RecordedOp(unlink=rpb.RecordedOp.Link(fnode=fnode, path=src)))
+        with self.group():
+            if previous is not None:
+                self._process(rpb.RecordedOp(unlink=rpb.RecordedOp.Link(fnode=previous,
+                                                                        path=target)))
+            self._process(rpb.RecordedOp(link=rpb.RecordedOp.Link(fnode=fnode, path=target)))
+            self._process(rpb.RecordedOp(unlink=rpb.RecordedOp.Link(fnode=fnode, path=src)))
+
+    @contextlib.contextmanager
+    def group(self) -> Iterator[None]:
+        """Ops recorded inside (synchronously: no await) go to the log in one append.
+
+        A full batch is rolled over only where a group starts, never between
+        the ops of one, so a crash cannot persist half of a multi-op change.
+        Groups nest; a group may make its batch exceed MAX_BATCH.
+        """
+        if self._group_depth == 0 and self._open is not None and self._open.size >= MAX_BATCH:
+            self._open = None
+        self._group_depth += 1
+        try:
+            yield
+        finally:
+            self._group_depth -= 1
 
     def fnode_of(self, path: str) -> int | None:
         """The Fnode linked at `path`, if any."""
@@ -200,7 +233,8 @@ class Recorder:
         outcome = self.fsm.apply(op, payload, self.journal, self.write_head)
         if not outcome.applied:  # our own FSM: only a bug gets here
             raise RuntimeError(f"recorder FSM did not apply op {op.seq_no}: {outcome}")
-        batch = self._batch(())
+        with self.group():  # a lone op is a group of its own
+            batch = self._batch(())
         batch.parts += (header, payload, data) if data else (header, payload)
         batch.size += len(header) + len(payload) + len(data)
         return op.seq_no
@@ -228,8 +262,9 @@ class Recorder:
         return hints
 
     def _batch(self, dependencies: Iterable[OpFuture]) -> _Batch:
+        """The open batch, or a new one (size limits are `group`'s to apply)."""
         batch = self._open
-        if batch is None or batch.size >= MAX_BATCH:
+        if batch is None:
             batch = self._open = _Batch(dependencies)
             self._queue.append(batch)
             self._wakeup.set()
@@ -251,6 +286,9 @@ class Recorder:
             except Exception as exc:  # sticky: fail this and every later batch
                 self._fail(exc)
                 return
+            except BaseException as exc:  # cancelled (close): nobody will append the rest
+                self._fail(RecorderClosed(f"recorder of {self.journal} stopped: {exc!r}"))
+                raise
             self._queue.popleft()
             if response.commit.end > self.write_head:
                 self.write_head = response.commit.end

@@ -21,6 +21,8 @@ async def recover(
     the log (a deposed primary still running somewhere) can no longer append.
     `hints` (from the last primary) limit what is read; None reads the whole log.
     """
+    if hints is not None and hints.log != log:
+        raise ValueError(f"hints are of log {hints.log!r}, not {log!r}")
     author = new_random_author()
     player = Player(client)
     player.inject_handoff(author)

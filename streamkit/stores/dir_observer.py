@@ -151,11 +151,14 @@ class DirObserver:
         if not obs.stable:
             return False
         metadata = [c for c in obs.changes if c.kind != "remove" and _matches(c.name, METADATA)]
+        metadata.sort(key=lambda c: c.name == "CURRENT")  # the MANIFEST it names goes first
         if metadata:
-            # A finished dependency still starts a fresh batch: the group lands whole or not at all.
+            # A finished dependency still starts a fresh batch, and the group keeps
+            # MAX_BATCH from splitting it: it lands whole or not at all.
             self.recorder.barrier([OpFuture.finished()])
-            for change in metadata:
-                self._apply(change)
+            with self.recorder.group():
+                for change in metadata:
+                    self._apply(change)
         for change in obs.changes:
             if change.kind == "remove":
                 self._apply(change)

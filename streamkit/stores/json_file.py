@@ -16,6 +16,7 @@ here: waiting for a transaction's dependencies before anything is written.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -49,13 +50,17 @@ class JSONFileStore(RecordedStore):
         super().__init__(fs)
         self.state = state
         self.path = path
+        # Kept apart from `state`, which the application mutates: a restore of a
+        # never-committed shard must not start from an earlier assignment's work.
+        self._initial = copy.deepcopy(state)
         self._model: type[BaseModel] | None = type(state) if isinstance(state, BaseModel) else None
 
     async def restore_checkpoint(self, shard_id: str) -> consumer_pb.Checkpoint:
         self._check_open()
         checkpoint = consumer_pb.Checkpoint()
         if not self.fs.exists(self.path):
-            return checkpoint  # a shard never committed: keep the initial state
+            self.state = copy.deepcopy(self._initial)  # a shard never committed
+            return checkpoint
         with self.fs.open(self.path, "rb") as f:
             document = json.loads(f.read())
         try:

@@ -199,6 +199,7 @@ class RocksDBStore(Store):
         is recorded before this returns, so a failed fence shows up here.
         """
         self._check_usable()
+        self._pending = {}  # a previous assignment's uncommitted mutations are void
         if self._db is None:
             if self.observer is not None:
                 self.observer.adopt()
@@ -244,6 +245,9 @@ class RocksDBStore(Store):
                 task.cancel()
             with contextlib.suppress(BaseException):
                 await task
+        op = self._commit_op
+        if op is not None and not op.done():  # cancelled before its body ever ran
+            op.fail(StoreError(f"store at {self.path} destroyed before the commit started"))
         try:
             if self._db is not None:
                 await self._call(self._db.close)

@@ -26,6 +26,12 @@ its statements on `store.db` without BEGIN/COMMIT of its own (SAVEPOINTs
 are fine); `start_commit` adds the checkpoint row to that same transaction
 and commits it, so state and checkpoint land together. The checkpoint is
 one row of table `streamkit_checkpoint`.
+
+SQLite can end that transaction on its own (INSERT OR ROLLBACK, RAISE(ROLLBACK)
+in a trigger, SQLITE_FULL), and an application can COMMIT by mistake; later
+statements would then autocommit, reaching the log without a checkpoint. So a
+commit hook vetoes (rolls back) every commit the store did not start itself,
+and `start_commit` fails, writing nothing, when the transaction is gone.
 """
 
 from __future__ import annotations
@@ -139,6 +145,7 @@ class SQLiteStore(RecordedStore):
         self._vfs_name = f"streamkit-recorded-{os.getpid()}-{next(_vfs_ids)}"
         self._vfs: RecordingVFS | None = None
         self._db: apsw.Connection | None = None
+        self._committing = False  # the store's own COMMIT is running: let it through
 
     @property
     def db(self) -> apsw.Connection:
@@ -174,13 +181,23 @@ class SQLiteStore(RecordedStore):
         self._check_open()  # destroyed while waiting: the connection is gone
         try:
             if error is not None:
-                db.execute("ROLLBACK")  # nothing of the transaction is written
+                if db.in_transaction:
+                    db.execute("ROLLBACK")  # nothing of the transaction is written
                 return OpFuture.finished(error)
+            if not db.in_transaction:  # ended under us: its statements are partly lost
+                return OpFuture.finished(StoreError(
+                    f"shard {shard_id}: the consumer transaction was ended before its commit"
+                    " (a ROLLBACK by SQLite or a COMMIT of the application); nothing committed"
+                ))
             db.execute(
                 f"INSERT OR REPLACE INTO {CHECKPOINT_TABLE}(id, checkpoint) VALUES (0, ?)",
                 (data,),
             )
-            db.execute("COMMIT")
+            self._committing = True
+            try:
+                db.execute("COMMIT")
+            finally:
+                self._committing = False
         except Exception as failure:  # e.g. the recorder already failed mid-commit
             if db.in_transaction:
                 db.execute("ROLLBACK")
@@ -218,4 +235,9 @@ class SQLiteStore(RecordedStore):
             f"CREATE TABLE IF NOT EXISTS {CHECKPOINT_TABLE}"
             "(id INTEGER PRIMARY KEY CHECK (id = 0), checkpoint BLOB NOT NULL)"
         )
+        db.set_commit_hook(self._veto_foreign_commit, id="streamkit-sqlitestore")
         return db
+
+    def _veto_foreign_commit(self) -> bool:
+        """True (turn into a rollback) for any commit but the store's own: see the module doc."""
+        return not self._committing
