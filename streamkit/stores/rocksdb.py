@@ -100,10 +100,6 @@ class WriteBatch:
         self.mutations[_key(key)] = None
 
 
-class _CommitFuture(OpFuture):
-    __slots__ = ()
-
-
 class RocksDBStore(Store):
     """A Store in an embedded RocksDB, recorded to the recovery log of `fs`.
 
@@ -136,7 +132,6 @@ class RocksDBStore(Store):
         self._db: rocksdict.Rdict | None = None
         self._pending: dict[bytes, bytes | None] = {}
         self._committing: dict[bytes, bytes | None] = {}
-        self._commit_op: _CommitFuture | None = None
         self._commit_task: asyncio.Task[None] | None = None
         self._failed: BaseException | None = None
         self._waiting_on_dependencies = False
@@ -221,11 +216,7 @@ class RocksDBStore(Store):
         wait_for: Sequence[OpFuture],
     ) -> OpFuture:
         self._check_usable()
-        if self._db is None:
-            raise StoreError(f"shard {shard_id}: start_commit before restore_checkpoint")
-        if self._commit_op is not None and not self._commit_op.done():
-            raise StoreError(f"shard {shard_id}: start_commit while a commit is in flight")
-        op = self._commit_op = _CommitFuture()
+        op = self._new_commit_op(shard_id, restored=self._db is not None)
         self._waiting_on_dependencies = True
         self._committing, self._pending = self._pending, {}
         data = checkpoint.SerializeToString(deterministic=True)
@@ -315,7 +306,7 @@ class RocksDBStore(Store):
             await asyncio.sleep(min(0.001 * attempt, 0.05))  # let the background work settle
         raise StoreError(f"{self.path}: MANIFEST kept changing over {_MAX_PASSES} passes")
 
-    async def _commit(self, op: _CommitFuture, checkpoint: bytes, wait_for: list[OpFuture]
+    async def _commit(self, op: OpFuture, checkpoint: bytes, wait_for: list[OpFuture]
                       ) -> None:
         """Wait for the dependencies, write, record; resolve `op` once the log has it all."""
         try:

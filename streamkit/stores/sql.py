@@ -57,15 +57,6 @@ CHECKPOINTS = sa.Table(
 _RESTORE_ATTEMPTS = 5  # a racing first restore of a new shard can lose its INSERT
 
 
-class _CommitFuture(OpFuture):
-    """An OpFuture the store resolves itself once the database commit finished."""
-
-    __slots__ = ()
-
-    def succeed(self) -> None:
-        self.resolve(pb.AppendResponse(status=pb.OK))
-
-
 
 class SQLStore(Store):
     """A Store in an external SQL database (SQLite file, PostgreSQL, ...) via SQLAlchemy.
@@ -83,7 +74,6 @@ class SQLStore(Store):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlstore")
         self._conn: sa.Connection | None = None
         self._fence: int | None = None
-        self._commit_op: _CommitFuture | None = None
         self._commit_task: asyncio.Task[None] | None = None
         self._waiting_on_dependencies = False
         self._destroyed = False
@@ -143,13 +133,8 @@ class SQLStore(Store):
         wait_for: Sequence[OpFuture],
     ) -> OpFuture:
         self._check_open()
-        if self._fence is None:
-            raise StoreError(f"shard {shard_id}: start_commit before restore_checkpoint")
-        if self._commit_op is not None and not self._commit_op.done():
-            raise StoreError(f"shard {shard_id}: start_commit while a commit is in flight")
-        op = _CommitFuture()
         data = checkpoint.SerializeToString(deterministic=True)
-        self._commit_op = op
+        op = self._new_commit_op(shard_id, restored=self._fence is not None)
         self._waiting_on_dependencies = True  # until _commit has seen them all resolve
         self._commit_task = asyncio.create_task(
             self._commit(op, data, self._fence, list(wait_for)),
@@ -262,7 +247,7 @@ class SQLStore(Store):
             self._conn = None
 
     async def _commit(
-        self, op: _CommitFuture, data: bytes, fence: int, wait_for: list[OpFuture]
+        self, op: OpFuture, data: bytes, fence: int, wait_for: list[OpFuture]
     ) -> None:
         """Wait for the dependencies in order, then commit; resolve `op` with the outcome."""
         try:
@@ -281,7 +266,7 @@ class SQLStore(Store):
             if isinstance(error, asyncio.CancelledError):
                 raise
         else:
-            op.succeed()
+            op.resolve(pb.AppendResponse(status=pb.OK))
 
 
 def _create_table(conn: sa.Connection) -> None:

@@ -49,6 +49,18 @@ class FencedError(StoreError):
 class Store(ABC):
     """Durable, transactional storage of a shard's state together with its Checkpoint."""
 
+    _commit_op: OpFuture | None = None
+
+    def _new_commit_op(self, shard_id: str, restored: bool) -> OpFuture:
+        """The OpFuture of a new commit, after checking the runtime's contract:
+        restore before commit, and one commit at a time."""
+        if not restored:
+            raise StoreError(f"shard {shard_id}: start_commit before restore_checkpoint")
+        if self._commit_op is not None and not self._commit_op.done():
+            raise StoreError(f"shard {shard_id}: start_commit while a commit is in flight")
+        self._commit_op = OpFuture()
+        return self._commit_op
+
     @abstractmethod
     async def start_commit(
         self,
