@@ -27,7 +27,8 @@ import apsw
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.rocksdb_store_bench import checkpoint_of, create_log  # noqa: E402
+from bench.common import create_log  # noqa: E402
+from bench.rocksdb_store_bench import checkpoint_of  # noqa: E402
 from streamkit.client import BrokerClient  # noqa: E402
 from streamkit.recoverylog.recovery import recover  # noqa: E402
 from streamkit.stores import JSONFileStore, SQLiteStore  # noqa: E402

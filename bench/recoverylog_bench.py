@@ -23,12 +23,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from google.protobuf.duration_pb2 import Duration  # noqa: E402
 
-from streamkit.client import BrokerClient, apply_journals  # noqa: E402
-from streamkit.protocol import pb  # noqa: E402
+from bench.common import MIB, create_log  # noqa: E402
+from streamkit.client import BrokerClient  # noqa: E402
 from streamkit.recoverylog import (  # noqa: E402
-    CONTENT_TYPE,
     FSM,
     Player,
     RecordedFS,
@@ -36,20 +34,6 @@ from streamkit.recoverylog import (  # noqa: E402
     rpb,
 )
 from tests.brokerproc import BrokerProcess  # noqa: E402
-
-MIB = 1 << 20
-
-
-async def create_log(client: BrokerClient, name: str) -> None:
-    spec = pb.JournalSpec(
-        name=name, replication=1,
-        labels=pb.LabelSet(labels=[pb.Label(name="content-type", value=CONTENT_TYPE)]),
-        fragment=pb.JournalSpec.Fragment(
-            length=64 * MIB, compression_codec=pb.NONE, stores=["file:///"],
-            refresh_interval=Duration(seconds=60),
-        ),
-    )
-    await apply_journals(client, [pb.ApplyRequest.Change(expect_mod_revision=0, upsert=spec)])
 
 
 async def record(client: BrokerClient, log: str, root: Path, mib: int, write_kib: int

@@ -34,31 +34,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from google.protobuf.duration_pb2 import Duration  # noqa: E402
 
-from streamkit.client import BrokerClient, apply_journals  # noqa: E402
-from streamkit.protocol import consumer_pb, pb  # noqa: E402
-from streamkit.recoverylog import CONTENT_TYPE, rpb  # noqa: E402
+from bench.common import MIB, create_log  # noqa: E402
+from streamkit.client import BrokerClient  # noqa: E402
+from streamkit.protocol import consumer_pb  # noqa: E402
+from streamkit.recoverylog import rpb  # noqa: E402
 from streamkit.recoverylog.recovery import recover  # noqa: E402
 from streamkit.stores.rocksdb import RocksDBStore  # noqa: E402
 from tests.brokerproc import BrokerProcess  # noqa: E402
 
-MIB = 1 << 20
 VALUE_SIZE = 100
 BULK_VALUE = 64 << 10  # values of the recovery state
 BULK_COMMIT = 16 * MIB  # state written per commit while building it
-
-
-async def create_log(client: BrokerClient, name: str) -> None:
-    spec = pb.JournalSpec(
-        name=name, replication=1,
-        labels=pb.LabelSet(labels=[pb.Label(name="content-type", value=CONTENT_TYPE)]),
-        fragment=pb.JournalSpec.Fragment(
-            length=64 * MIB, compression_codec=pb.NONE, stores=["file:///"],
-            refresh_interval=Duration(seconds=60),
-        ),
-    )
-    await apply_journals(client, [pb.ApplyRequest.Change(expect_mod_revision=0, upsert=spec)])
 
 
 def checkpoint_of(n: int) -> consumer_pb.Checkpoint:

@@ -1,0 +1,24 @@
+"""Pieces the benchmark scripts share."""
+
+from __future__ import annotations
+
+from google.protobuf.duration_pb2 import Duration
+
+from streamkit.client import BrokerClient, apply_journals
+from streamkit.protocol import pb
+from streamkit.recoverylog import CONTENT_TYPE
+
+MIB = 1 << 20
+
+
+async def create_log(client: BrokerClient, name: str) -> None:
+    """A recovery-log journal: 64 MiB uncompressed fragments in the broker's file store."""
+    spec = pb.JournalSpec(
+        name=name, replication=1,
+        labels=pb.LabelSet(labels=[pb.Label(name="content-type", value=CONTENT_TYPE)]),
+        fragment=pb.JournalSpec.Fragment(
+            length=64 * MIB, compression_codec=pb.NONE, stores=["file:///"],
+            refresh_interval=Duration(seconds=60),
+        ),
+    )
+    await apply_journals(client, [pb.ApplyRequest.Change(expect_mod_revision=0, upsert=spec)])
