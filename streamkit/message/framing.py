@@ -25,6 +25,7 @@ from typing import Literal, Protocol, runtime_checkable
 from uuid import UUID
 
 from google.protobuf.message import Message as ProtoMessage
+from pydantic import ValidationError
 
 from streamkit.message.message import UUID_FIELD, Envelope, Message, MessageLike
 from streamkit.message.uuid import Flags, flags_of
@@ -261,3 +262,14 @@ def split_lines(pieces: list[bytes], data: bytes) -> tuple[list[bytes], bytes] |
     if tail:
         pieces.append(tail)
     return lines, tail
+
+
+def validation_summary(exc: ValidationError, whole: str = "(message)") -> str:
+    """A one-line summary of a pydantic error (its full text spans lines per error)."""
+    errors = exc.errors(include_url=False)
+    if not errors:
+        return str(exc)
+    first = errors[0]
+    where = ".".join(str(part) for part in first["loc"]) or whole
+    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{where}: {first['msg']}{more}"

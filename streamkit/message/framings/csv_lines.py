@@ -31,7 +31,13 @@ from uuid import UUID
 
 from pydantic import ValidationError
 
-from streamkit.message.framing import DecoderBase, acknowledgement_of, message_kind, split_lines
+from streamkit.message.framing import (
+    DecoderBase,
+    acknowledgement_of,
+    message_kind,
+    split_lines,
+    validation_summary,
+)
 from streamkit.message.message import UUID_FIELD, Envelope, Message, MessageLike
 
 __all__ = ["CONTENT_TYPE", "CsvDecoder", "CsvFraming"]
@@ -260,7 +266,8 @@ class CsvDecoder(DecoderBase):
         except ValidationError as exc:
             ack = acknowledgement_of(model, row[0])
             if ack is None:
-                self._report(begin, f"not a valid {model.__name__}: {_summary(exc)}")
+                problem = validation_summary(exc, "(record)")
+                self._report(begin, f"not a valid {model.__name__}: {problem}")
             return ack
 
 
@@ -274,11 +281,3 @@ def _parse_one(record: bytes) -> list[str] | str:
         return f"invalid CSV: {exc}"
 
 
-def _summary(exc: ValidationError) -> str:
-    errors = exc.errors(include_url=False)
-    if not errors:
-        return str(exc)
-    first = errors[0]
-    where = ".".join(str(part) for part in first["loc"]) or "(record)"
-    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{where}: {first['msg']}{more}"

@@ -23,7 +23,13 @@ from google.protobuf import json_format
 from google.protobuf.message import Message as ProtoMessage
 from pydantic import ValidationError
 
-from streamkit.message.framing import DecoderBase, acknowledgement_of, message_kind, split_lines
+from streamkit.message.framing import (
+    DecoderBase,
+    acknowledgement_of,
+    message_kind,
+    split_lines,
+    validation_summary,
+)
 from streamkit.message.message import UUID_FIELD, Envelope, Message, MessageLike
 
 __all__ = ["CONTENT_TYPE", "JsonLinesDecoder", "JsonLinesFraming"]
@@ -137,7 +143,7 @@ class JsonLinesDecoder(DecoderBase):
             obj = _loads_object(line)
             ack = acknowledgement_of(model, obj.get(UUID_FIELD)) if obj is not None else None
             if ack is None:
-                self._report(begin, f"not a valid {model.__name__}: {_first_error(exc)}")
+                self._report(begin, f"not a valid {model.__name__}: {validation_summary(exc)}")
             return ack
 
     def _decode_proto(self, line: bytes, begin: int) -> ProtoMessage | None:
@@ -160,12 +166,3 @@ def _loads_object(line: bytes) -> dict[str, Any] | None:
     return obj if type(obj) is dict else None
 
 
-def _first_error(exc: ValidationError) -> str:
-    """A one-line summary: pydantic's full text spans many lines per error."""
-    errors = exc.errors(include_url=False)
-    if not errors:
-        return str(exc)
-    first = errors[0]
-    where = ".".join(str(part) for part in first["loc"]) or "(message)"
-    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{where}: {first['msg']}{more}"
