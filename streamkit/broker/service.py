@@ -211,13 +211,23 @@ class JournalService(pb_grpc.JournalServicer):
         )
 
 
+async def _next_chunk(requests) -> pb.AppendRequest:
+    """The next AppendRequest; a stalled appender must not hold the journal forever.
+
+    asyncio.timeout (not wait_for, which starts a task per call) and only around
+    the receive, never around a yield to the consumer.
+    """
+    async with asyncio.timeout(APPEND_CHUNK_TIMEOUT):
+        return await anext(requests)
+
+
 async def _content(first: pb.AppendRequest, requests) -> AsyncIterator[bytes]:
     """Content chunks of an Append stream; raises RolledBack if it ends without commit."""
     if first.content:
         yield first.content
     while True:
         try:
-            request = await asyncio.wait_for(anext(requests), APPEND_CHUNK_TIMEOUT)
+            request = await _next_chunk(requests)
         except StopAsyncIteration:
             raise RolledBack("Append stream ended without its commit (empty) chunk") from None
         if request.journal or request.offset or request.HasField("check_registers"):
@@ -226,7 +236,7 @@ async def _content(first: pb.AppendRequest, requests) -> AsyncIterator[bytes]:
             break
         yield request.content
     try:
-        await asyncio.wait_for(anext(requests), APPEND_CHUNK_TIMEOUT)
+        await _next_chunk(requests)
     except StopAsyncIteration:
         return
     raise BadRequest("Append: content followed the commit (empty) chunk")
