@@ -20,7 +20,6 @@ from streamkit.broker.appends import append, refusal
 from streamkit.broker.journals import JournalRegistry
 from streamkit.broker.reads import ReadStream
 from streamkit.broker.service import (
-    APPEND_CHUNK_TIMEOUT,
     BadRequest,
     JournalService,
     check_journal_name,
@@ -133,10 +132,11 @@ class HttpGateway:
             return _status_error(status, journal)
         try:
             result = await append(
-                replica, pb.AppendRequest(journal=journal), _body(request), self.service.header()
+                replica, pb.AppendRequest(journal=journal),
+                _body(request, self.service.append_timeout), self.service.header(),
             )
         except TimeoutError:
-            return _error(408, f"request body stalled for {APPEND_CHUNK_TIMEOUT:.0f}s; "
+            return _error(408, f"request body stalled for {self.service.append_timeout:g}s; "
                                "the append was rolled back")
         if result.status != pb.OK:
             return _status_error(result.status, journal)
@@ -151,10 +151,11 @@ class HttpGateway:
         )
 
 
-async def _body(request: web.Request) -> AsyncIterator[bytes]:
+async def _body(request: web.Request, timeout: float) -> AsyncIterator[bytes]:
     """The request body in chunks; a stalled client must not hold the journal forever."""
     while True:
-        chunk = await asyncio.wait_for(request.content.read(1 << 20), APPEND_CHUNK_TIMEOUT)
+        async with asyncio.timeout(timeout):  # around the read only, never the yield
+            chunk = await request.content.read(1 << 20)
         if not chunk:
             return
         yield chunk

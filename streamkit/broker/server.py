@@ -26,7 +26,7 @@ from streamkit.broker.http import HttpGateway
 from streamkit.broker.journals import JournalRegistry
 from streamkit.broker.persister import Persister
 from streamkit.broker.replica import Replica
-from streamkit.broker.service import Identity, JournalService
+from streamkit.broker.service import APPEND_CHUNK_TIMEOUT, Identity, JournalService
 from streamkit.keyspace import open_keyspace
 from streamkit.protocol import pb_grpc
 
@@ -48,6 +48,7 @@ class BrokerConfig:
     zone: str = "local"
     suffix: str = field(default_factory=socket.gethostname)
     shutdown_grace: float = 5.0
+    append_timeout: float = APPEND_CHUNK_TIMEOUT
 
     @property
     def fragment_root(self) -> Path:
@@ -85,7 +86,7 @@ class Broker:
         await self.registry.start()
         endpoint = f"grpc://{cfg.host}:{cfg.port}"
         identity = Identity(zone=cfg.zone, suffix=cfg.suffix, endpoint=endpoint)
-        self.service = JournalService(self.registry, identity)
+        self.service = JournalService(self.registry, identity, cfg.append_timeout)
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE),

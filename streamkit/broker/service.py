@@ -30,7 +30,7 @@ T = TypeVar("T")
 LIST_CHUNK = 25  # journals per ListResponse message, as Gazette sends them
 MAX_FRAGMENTS_PAGE = 10_000
 DEFAULT_FRAGMENTS_PAGE = 1_000
-APPEND_CHUNK_TIMEOUT = 30.0  # a stalled appender holding the journal is rolled back
+APPEND_CHUNK_TIMEOUT = 30.0  # default: a stalled appender holding the journal is rolled back
 
 
 class BadRequest(ValueError):
@@ -72,9 +72,15 @@ def _is_readable(spec: pb.JournalSpec) -> bool:
 class JournalService(pb_grpc.JournalServicer):
     """Serves the Journal API from a JournalRegistry."""
 
-    def __init__(self, registry: JournalRegistry, identity: Identity) -> None:
+    def __init__(
+        self,
+        registry: JournalRegistry,
+        identity: Identity,
+        append_timeout: float = APPEND_CHUNK_TIMEOUT,
+    ) -> None:
         self.registry = registry
         self.identity = identity
+        self.append_timeout = append_timeout  # longest wait for an appender's next chunk
 
     def header(self) -> pb.Header:
         return self.identity.header(self.registry.revision)
@@ -170,7 +176,8 @@ class JournalService(pb_grpc.JournalServicer):
             metrics.APPEND_FAILURES.labels(pb.Status.Name(status)).inc()
             return pb.AppendResponse(status=status, header=self.header())
         try:
-            return await append(replica, first, _content(first, request_iterator), self.header())
+            content = _content(first, request_iterator, self.append_timeout)
+            return await append(replica, first, content, self.header())
         except BadRequest as err:
             await self._abort(context, "Append", err)
         except TimeoutError:
@@ -211,23 +218,25 @@ class JournalService(pb_grpc.JournalServicer):
         )
 
 
-async def _next_chunk(requests) -> pb.AppendRequest:
+async def _next_chunk(requests, timeout: float) -> pb.AppendRequest:
     """The next AppendRequest; a stalled appender must not hold the journal forever.
 
     asyncio.timeout (not wait_for, which starts a task per call) and only around
     the receive, never around a yield to the consumer.
     """
-    async with asyncio.timeout(APPEND_CHUNK_TIMEOUT):
+    async with asyncio.timeout(timeout):
         return await anext(requests)
 
 
-async def _content(first: pb.AppendRequest, requests) -> AsyncIterator[bytes]:
+async def _content(
+    first: pb.AppendRequest, requests, timeout: float
+) -> AsyncIterator[bytes]:
     """Content chunks of an Append stream; raises RolledBack if it ends without commit."""
     if first.content:
         yield first.content
     while True:
         try:
-            request = await _next_chunk(requests)
+            request = await _next_chunk(requests, timeout)
         except StopAsyncIteration:
             raise RolledBack("Append stream ended without its commit (empty) chunk") from None
         if request.journal or request.offset or request.HasField("check_registers"):
@@ -236,7 +245,7 @@ async def _content(first: pb.AppendRequest, requests) -> AsyncIterator[bytes]:
             break
         yield request.content
     try:
-        await _next_chunk(requests)
+        await _next_chunk(requests, timeout)
     except StopAsyncIteration:
         return
     raise BadRequest("Append: content followed the commit (empty) chunk")

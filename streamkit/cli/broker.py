@@ -29,17 +29,21 @@ def broker() -> None:
               help="Root of file:/// store URLs [default: DATA_DIR/fragments].")
 @click.option("--keyspace", default=None,
               help="KeySpace URL for journal specs [default: DATA_DIR/keyspace.db].")
+@click.option("--append-timeout", type=click.FloatRange(min=0.1), default=30.0,
+              show_default=True,
+              help="Seconds an appender may stall mid-append before it is rolled back.")
 @click.option("--log-level", default="INFO", show_default=True, envvar="STREAMKIT_LOG_LEVEL",
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @click.option("--log-format", default="text", show_default=True, envvar="STREAMKIT_LOG_FORMAT",
               type=click.Choice(["text", "json"]), help="json: one structured object per line.")
 def serve_cmd(data_dir: Path, port: int, http_port: int | None, host: str,
-              file_root: Path | None, keyspace: str | None, log_level: str,
-              log_format: str) -> None:
+              file_root: Path | None, keyspace: str | None, append_timeout: float,
+              log_level: str, log_format: str) -> None:
     """Serve journals until SIGTERM or Ctrl-C."""
     configure_logging(log_level, log_format)
     config = BrokerConfig(data_dir=data_dir.resolve(), port=port, http_port=http_port, host=host,
-                          file_root=file_root.resolve() if file_root else None, keyspace=keyspace)
+                          file_root=file_root.resolve() if file_root else None, keyspace=keyspace,
+                          append_timeout=append_timeout)
     try:
         serve(config)
     except (OSError, RuntimeError, KeySpaceError) as err:
