@@ -240,6 +240,45 @@ def content_type_of(labels: pb.LabelSet) -> str:
     return ""
 
 
+class LineDecoderBase(DecoderBase):
+    """Decoders of newline-terminated frames (JSON lines, CSV).
+
+    Holds the unfinished last line across chunks in `_pieces` (`_pending`
+    bytes); `_start` is the offset where the next frame begins.
+    """
+
+    def __init__(self, journal: str) -> None:
+        super().__init__(journal)
+        self._pieces: list[bytes] = []
+        self._pending = 0
+        self._start = 0
+
+    def reset(self, offset: int) -> None:
+        self._pieces.clear()
+        self._pending = 0
+        self._start_at(offset)
+        self._next = offset
+
+    def _start_at(self, offset: int) -> None:
+        """The next frame starts at `offset` (first chunk, or after a reset)."""
+        self._start = offset
+
+    def _complete_lines(
+        self, chunk: bytes | memoryview, offset: int
+    ) -> tuple[list[bytes], bytes] | None:
+        """Lines this chunk completes and the new unfinished tail; None if none completed."""
+        if not self._check_offset(offset, self._pending):
+            self.reset(offset)
+        elif self._next is None:
+            self._start_at(offset)
+        data = bytes(chunk) if not isinstance(chunk, bytes) else chunk
+        self._next = offset + len(data)
+        split = split_lines(self._pieces, data)
+        if split is None:
+            self._pending += len(data)
+        return split
+
+
 def split_lines(pieces: list[bytes], data: bytes) -> tuple[list[bytes], bytes] | None:
     """Complete lines (newlines removed) that `data` finishes, and the new unfinished tail.
 

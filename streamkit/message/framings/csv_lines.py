@@ -32,10 +32,9 @@ from uuid import UUID
 from pydantic import ValidationError
 
 from streamkit.message.framing import (
-    DecoderBase,
+    LineDecoderBase,
     acknowledgement_of,
     message_kind,
-    split_lines,
     validation_summary,
 )
 from streamkit.message.message import UUID_FIELD, Envelope, Message, MessageLike
@@ -148,7 +147,7 @@ def _allows_none(annotation: Any) -> bool:
     return False
 
 
-class CsvDecoder(DecoderBase):
+class CsvDecoder(LineDecoderBase):
     """Finds record boundaries incrementally, then parses records with `csv`."""
 
     def __init__(self, journal: str, message_type: type) -> None:
@@ -164,32 +163,19 @@ class CsvDecoder(DecoderBase):
             self._nullable = frozenset(
                 name for name, info in fields.items() if _allows_none(info.annotation)
             )
-        # Partial data: pieces of the unfinished last line (not yet scanned),
-        # lines of an unfinished record (scanned; it continues in quotes), the
-        # offset where that record starts and how many bytes are held.
-        self._pieces: list[bytes] = []
+        # Beyond the unfinished last line (the base class's pieces): lines of an
+        # unfinished record (scanned; it continues in quotes). `_start` is where
+        # that record starts, `_line_start` where the unfinished last line does.
         self._record_lines: list[bytes] = []
-        self._pending = 0
-        self._start = 0  # offset of the unfinished record
-        self._line_start = 0  # offset of the unfinished last line (_pieces)
+        self._line_start = 0
 
-    def reset(self, offset: int) -> None:
-        self._pieces.clear()
+    def _start_at(self, offset: int) -> None:
         self._record_lines.clear()
-        self._pending = 0
         self._start = self._line_start = offset
-        self._next = offset
 
     def feed(self, chunk: bytes | memoryview, offset: int) -> list[Envelope]:
-        if not self._check_offset(offset, self._pending):
-            self.reset(offset)
-        elif self._next is None:
-            self._start = self._line_start = offset
-        data = bytes(chunk) if not isinstance(chunk, bytes) else chunk
-        self._next = offset + len(data)
-        split = split_lines(self._pieces, data)
+        split = self._complete_lines(chunk, offset)
         if split is None:
-            self._pending += len(data)
             return []
         lines, tail = split
 

@@ -24,10 +24,9 @@ from google.protobuf.message import Message as ProtoMessage
 from pydantic import ValidationError
 
 from streamkit.message.framing import (
-    DecoderBase,
+    LineDecoderBase,
     acknowledgement_of,
     message_kind,
-    split_lines,
     validation_summary,
 )
 from streamkit.message.message import UUID_FIELD, Envelope, Message, MessageLike
@@ -62,40 +61,21 @@ class JsonLinesFraming:
         return JsonLinesDecoder(journal, message_type)
 
 
-class JsonLinesDecoder(DecoderBase):
+class JsonLinesDecoder(LineDecoderBase):
     """Splits the stream at newlines, decoding each complete line as one message."""
 
     def __init__(self, journal: str, message_type: type) -> None:
         super().__init__(journal)
         self.message_type = message_type
         self._kind = message_kind(message_type)
-        # The partial last line: pieces (joined only once a newline arrives, so a
-        # long line fed in many chunks costs linear time) and its start offset.
-        self._pieces: list[bytes] = []
-        self._pending = 0
-        self._start = 0
-
-    def reset(self, offset: int) -> None:
-        self._pieces.clear()
-        self._pending = 0
-        self._start = offset
-        self._next = offset
 
     def feed(self, chunk: bytes | memoryview, offset: int) -> list[Envelope]:
-        if not self._check_offset(offset, self._pending):
-            self.reset(offset)
-        elif self._next is None:
-            self._start = offset
-        data = bytes(chunk) if not isinstance(chunk, bytes) else chunk
-        self._next = offset + len(data)
-
-        split = split_lines(self._pieces, data)
+        split = self._complete_lines(chunk, offset)
         if split is None:
-            self._pending += len(data)
             return []
         lines, tail = split
         begin = self._start
-        self._start = offset + len(data) - len(tail)
+        self._start = offset + len(chunk) - len(tail)
         self._pending = len(tail)
 
         if self._kind == "dict":
