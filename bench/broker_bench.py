@@ -24,10 +24,8 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +34,7 @@ from google.protobuf.duration_pb2 import Duration
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.common import machine, with_broker  # noqa: E402
 from streamkit.client import (  # noqa: E402
     Appender,
     AppendService,
@@ -45,7 +44,6 @@ from streamkit.client import (  # noqa: E402
     list_fragments,
 )
 from streamkit.protocol import pb  # noqa: E402
-from tests.brokerproc import BrokerProcess  # noqa: E402
 
 MIB = 1 << 20
 
@@ -115,12 +113,13 @@ async def read_all(client: BrokerClient, journal: str, end: int, *, direct_root:
 
 async def bench_reads(client: BrokerClient, mib: int, file_root: Path) -> dict[str, float]:
     spooled = await read_all(client, "bench/big", mib * MIB)
-    await create(client, journal_spec("bench/persisted", 64 * MIB, pb.SNAPPY))
+    fragment = min(64 * MIB, max(MIB, mib * MIB // 8))  # several fragments even in small runs
+    await create(client, journal_spec("bench/persisted", fragment, pb.SNAPPY))
     block = os.urandom(MIB // 2) + bytes(MIB // 2)
     await append_mib(client, "bench/persisted", mib, block)
     async with Appender(client, "bench/persisted") as appender:
         await appender.write(b"roll")
-    persisted_end = await wait_persisted(client, "bench/persisted", mib * MIB)
+    persisted_end = await wait_persisted(client, "bench/persisted", mib * MIB - fragment)
     proxied = await read_all(client, "bench/persisted", persisted_end)
     direct = await read_all(client, "bench/persisted", persisted_end, direct_root=file_root)
     return {"read_spool_mb_s": spooled, "read_persisted_via_broker_mb_s": proxied,
@@ -128,7 +127,8 @@ async def bench_reads(client: BrokerClient, mib: int, file_root: Path) -> dict[s
 
 
 async def wait_persisted(client: BrokerClient, journal: str, at_least: int) -> int:
-    """Wait until persisted fragments cover [0, at_least); returns their end."""
+    """Wait until persisted fragments cover [0, at_least) and more than nothing;
+    returns their end."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         listing = await list_fragments(client, journal)
@@ -136,7 +136,7 @@ async def wait_persisted(client: BrokerClient, journal: str, at_least: int) -> i
         for f in listing.fragments:
             if f.spec.backing_store and f.spec.begin == covered:
                 covered = f.spec.end
-        if covered >= at_least - 64 * MIB:
+        if covered >= at_least and covered > 0:
             return covered
         await asyncio.sleep(0.5)
     raise TimeoutError("fragments were not persisted in time")
@@ -178,13 +178,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1024, help="MiB written before measuring")
     parser.add_argument("--json", type=Path, help="also write results here")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="streamkit-bench-") as tmp:
-        broker = BrokerProcess(Path(tmp) / "broker").start()
-        try:
-            results = asyncio.run(run(broker.address, args, broker.data_dir / "fragments"))
-        finally:
-            broker.kill()
-    results["machine"] = f"{platform.node()} {os.cpu_count()} cores {platform.machine()}"
+    results = with_broker(
+        lambda broker, _: run(broker.address, args, broker.data_dir / "fragments")
+    )
+    results["machine"] = machine()
     for key, value in results.items():
         print(f"{key:36} {value:>12.1f}" if isinstance(value, float) else f"{key:36} {value}")
     if args.json:

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import platform
+import tempfile
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
 from google.protobuf.duration_pb2 import Duration
 
 from streamkit.client import BrokerClient, apply_journals
 from streamkit.protocol import pb
 from streamkit.recoverylog import CONTENT_TYPE
+from tests.brokerproc import BrokerProcess
+
+T = TypeVar("T")
 
 MIB = 1 << 20
 
@@ -22,3 +33,18 @@ async def create_log(client: BrokerClient, name: str) -> None:
         ),
     )
     await apply_journals(client, [pb.ApplyRequest.Change(expect_mod_revision=0, upsert=spec)])
+
+
+def machine() -> str:
+    """What BENCHMARKS.md records as the machine of a run."""
+    return f"{platform.node()} {os.cpu_count()} cores {platform.machine()}"
+
+
+def with_broker(main: Callable[[BrokerProcess, Path], Coroutine[Any, Any, T]]) -> T:
+    """Run `main(broker, tmp)` against a fresh broker whose data lives in temp dir `tmp`."""
+    with tempfile.TemporaryDirectory(prefix="streamkit-bench-") as tmp:
+        broker = BrokerProcess(Path(tmp) / "broker").start()
+        try:
+            return asyncio.run(main(broker, Path(tmp)))
+        finally:
+            broker.kill()

@@ -16,12 +16,8 @@ topic, and measures, on this machine:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import os
-import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +27,7 @@ from google.protobuf.duration_pb2 import Duration
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.common import machine, with_broker  # noqa: E402
 from streamkit.client import (  # noqa: E402
     AppendService,
     BrokerClient,
@@ -47,7 +44,6 @@ from streamkit.message.mapping import (  # noqa: E402
 from streamkit.message.publisher import Publisher  # noqa: E402
 from streamkit.message.reader import ReadCommitted  # noqa: E402
 from streamkit.protocol import pb  # noqa: E402
-from tests.brokerproc import BrokerProcess  # noqa: E402
 
 TOPIC = "bench-messages"
 PAYLOAD = "x" * 24  # with key, n and the 36-character UUID: ~100 bytes per framed message
@@ -138,15 +134,10 @@ def main() -> None:
     parser.add_argument("--journals", type=int, default=4)
     parser.add_argument("--json", type=Path, help="also write results here")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="streamkit-bench-") as tmp:
-        broker = BrokerProcess(Path(tmp) / "broker").start()
-        try:
-            results: dict[str, Any] = asyncio.run(run(broker.address, args))
-        finally:
-            broker.kill()
+    results: dict[str, Any] = with_broker(lambda broker, _: run(broker.address, args))
     results["messages"] = args.messages
     results["journals"] = args.journals
-    results["machine"] = f"{platform.node()} {os.cpu_count()} cores {platform.machine()}"
+    results["machine"] = machine()
     for key, value in results.items():
         print(f"{key:32} {value:>14,.1f}" if isinstance(value, float) else f"{key:32} {value}")
     if args.json:

@@ -13,12 +13,9 @@ the run.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,12 +24,11 @@ import apsw
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import create_log  # noqa: E402
+from bench.common import create_log, machine, with_broker  # noqa: E402
 from bench.rocksdb_store_bench import checkpoint_of  # noqa: E402
 from streamkit.client import BrokerClient  # noqa: E402
 from streamkit.recoverylog.recovery import recover  # noqa: E402
 from streamkit.stores import JSONFileStore, SQLiteStore  # noqa: E402
-from tests.brokerproc import BrokerProcess  # noqa: E402
 
 
 def json_unrecorded(directory: Path, commits: int) -> float:
@@ -117,15 +113,10 @@ def main() -> None:
     parser.add_argument("--commits", type=int, default=1000)
     parser.add_argument("--json", type=Path, help="also write results here")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="streamkit-bench-") as tmp:
-        broker = BrokerProcess(Path(tmp) / "broker").start()
-        try:
-            results = asyncio.run(run(broker.address, args.commits, Path(tmp)))
-        finally:
-            broker.kill()
+    results = with_broker(lambda broker, tmp: run(broker.address, args.commits, tmp))
     for key, value in results.items():
         print(f"{key:32} {value:>10.1f}")
-    print(f"{'machine':32} {platform.node()} {os.cpu_count()} cores {platform.machine()}")
+    print(f"{'machine':32} {machine()}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

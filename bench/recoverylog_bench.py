@@ -11,12 +11,9 @@ recorder's hints (finishing at the write head), and from empty hints.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-from bench.common import MIB, create_log  # noqa: E402
+from bench.common import MIB, create_log, machine, with_broker  # noqa: E402
 from streamkit.client import BrokerClient  # noqa: E402
 from streamkit.recoverylog import (  # noqa: E402
     FSM,
@@ -33,7 +30,6 @@ from streamkit.recoverylog import (  # noqa: E402
     Recorder,
     rpb,
 )
-from tests.brokerproc import BrokerProcess  # noqa: E402
 
 
 async def record(client: BrokerClient, log: str, root: Path, mib: int, write_kib: int
@@ -95,13 +91,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="playbacks per case (best kept)")
     parser.add_argument("--json", type=Path, help="also write results here")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="streamkit-bench-") as tmp:
-        broker = BrokerProcess(Path(tmp) / "broker").start()
-        try:
-            results = asyncio.run(run(broker.address, args, Path(tmp)))
-        finally:
-            broker.kill()
-    results["machine"] = f"{platform.node()} {os.cpu_count()} cores {platform.machine()}"
+    results = with_broker(lambda broker, tmp: run(broker.address, args, tmp))
+    results["machine"] = machine()
     results["mib"] = str(args.mib)
     for key, value in results.items():
         print(f"{key:28} {value:>10.1f}" if isinstance(value, float) else f"{key:28} {value}")

@@ -21,12 +21,9 @@ A fresh broker is started in a temp dir for the run.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,13 +32,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-from bench.common import MIB, create_log  # noqa: E402
+from bench.common import MIB, create_log, machine, with_broker  # noqa: E402
 from streamkit.client import BrokerClient  # noqa: E402
 from streamkit.protocol import consumer_pb  # noqa: E402
 from streamkit.recoverylog import rpb  # noqa: E402
 from streamkit.recoverylog.recovery import recover  # noqa: E402
 from streamkit.stores.rocksdb import RocksDBStore  # noqa: E402
-from tests.brokerproc import BrokerProcess  # noqa: E402
 
 VALUE_SIZE = 100
 BULK_VALUE = 64 << 10  # values of the recovery state
@@ -147,13 +143,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="recoveries per case (best kept)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="streamkit-bench-") as tmp:
-        broker = BrokerProcess(Path(tmp) / "broker").start()
-        try:
-            results = asyncio.run(run(broker.address, args, Path(tmp)))
-        finally:
-            broker.kill()
-    results["machine"] = f"{platform.node()} {os.cpu_count()} cores {platform.machine()}"
+    results = with_broker(lambda broker, tmp: run(broker.address, args, tmp))
+    results["machine"] = machine()
     if args.json:
         print(json.dumps(results, indent=2))
         return
