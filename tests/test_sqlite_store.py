@@ -67,6 +67,26 @@ def rows_of(db: apsw.Connection) -> dict[int, bytes]:
     return dict(db.execute("SELECT k, v FROM kv").fetchall()) if has_kv else {}
 
 
+async def committed_primary(client: BrokerClient, log: str, directory: Path) -> SQLiteStore:
+    """A store that took over `log` and committed transaction 1."""
+    store = SQLiteStore(await recover(client, log, directory))
+    await store.restore_checkpoint(SHARD)
+    apply_txn(store.db, 1)
+    await (await store.start_commit(SHARD, checkpoint_of(1), []))
+    return store
+
+
+async def assert_recovers(client: BrokerClient, log: str, directory: Path, txn: int,
+                          rows: dict[int, bytes]) -> None:
+    """A fresh instance recovered from `log` holds checkpoint `txn` and exactly `rows`."""
+    fs = await recover(client, log, directory)
+    store = SQLiteStore(fs)
+    assert txn_of(await store.restore_checkpoint(SHARD)) == txn
+    assert rows_of(store.db) == rows
+    await store.destroy()
+    await fs.recorder.close()
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_random_workload_recovers_exactly(
     shared_broker: BrokerProcess, tmp_path: Path, mode: JournalMode
@@ -137,10 +157,7 @@ async def test_truncated_database_recovers(shared_broker: BrokerProcess, tmp_pat
 async def test_failed_dependency_rolls_back(shared_broker: BrokerProcess, tmp_path: Path) -> None:
     async with BrokerClient(shared_broker.address) as client:
         log = await new_log(client)
-        store = SQLiteStore(await recover(client, log, tmp_path / "primary"))
-        await store.restore_checkpoint(SHARD)
-        apply_txn(store.db, 1)
-        await (await store.start_commit(SHARD, checkpoint_of(1), []))
+        store = await committed_primary(client, log, tmp_path / "primary")
         apply_txn(store.db, 2)
         failed = OpFuture.finished(RuntimeError("append to an output journal failed"))
         with pytest.raises(RuntimeError, match="output journal"):
@@ -149,13 +166,7 @@ async def test_failed_dependency_rolls_back(shared_broker: BrokerProcess, tmp_pa
         apply_txn(store.db, 2)
         await (await store.start_commit(SHARD, checkpoint_of(2), []))
         await store.destroy()
-
-        fs = await recover(client, log, tmp_path / "standby")
-        recovered = SQLiteStore(fs)
-        assert txn_of(await recovered.restore_checkpoint(SHARD)) == 2
-        assert rows_of(recovered.db) == expected_rows(2)
-        await recovered.destroy()
-        await fs.recorder.close()
+        await assert_recovers(client, log, tmp_path / "standby", 2, expected_rows(2))
 
 
 async def test_transaction_ended_by_sqlite_fails_the_commit(
@@ -164,11 +175,7 @@ async def test_transaction_ended_by_sqlite_fails_the_commit(
     """INSERT OR ROLLBACK ends the store's transaction: later writes must not autocommit."""
     async with BrokerClient(shared_broker.address) as client:
         log = await new_log(client)
-        store = SQLiteStore(await recover(client, log, tmp_path / "primary"))
-        await store.restore_checkpoint(SHARD)
-        apply_txn(store.db, 1)
-        await (await store.start_commit(SHARD, checkpoint_of(1), []))
-
+        store = await committed_primary(client, log, tmp_path / "primary")
         key = next(k for k, v in txn_ops(1) if v is not None)
         with pytest.raises(apsw.ConstraintError):
             store.db.execute("INSERT OR ROLLBACK INTO kv VALUES (?, x'00')", (key,))
@@ -179,13 +186,7 @@ async def test_transaction_ended_by_sqlite_fails_the_commit(
         with pytest.raises(StoreError, match="ended before its commit"):
             await asyncio.wait_for(op, 5)
         await store.destroy()
-
-        fs = await recover(client, log, tmp_path / "standby")
-        recovered = SQLiteStore(fs)
-        assert txn_of(await recovered.restore_checkpoint(SHARD)) == 1
-        assert rows_of(recovered.db) == expected_rows(1)
-        await recovered.destroy()
-        await fs.recorder.close()
+        await assert_recovers(client, log, tmp_path / "standby", 1, expected_rows(1))
 
 
 async def test_hand_off_fences_the_previous_instance(
@@ -193,10 +194,7 @@ async def test_hand_off_fences_the_previous_instance(
 ) -> None:
     async with BrokerClient(shared_broker.address) as client:
         log = await new_log(client)
-        first = SQLiteStore(await recover(client, log, tmp_path / "first"))
-        await first.restore_checkpoint(SHARD)
-        apply_txn(first.db, 1)
-        await (await first.start_commit(SHARD, checkpoint_of(1), []))
+        first = await committed_primary(client, log, tmp_path / "first")
 
         second = SQLiteStore(await recover(client, log, tmp_path / "second"))
         assert txn_of(await second.restore_checkpoint(SHARD)) == 1
@@ -208,13 +206,7 @@ async def test_hand_off_fences_the_previous_instance(
         await (await second.start_commit(SHARD, checkpoint_of(2), []))
         await second.destroy()
         await second.fs.recorder.close()
-
-        fs = await recover(client, log, tmp_path / "third")
-        third = SQLiteStore(fs)
-        assert txn_of(await third.restore_checkpoint(SHARD)) == 2
-        assert rows_of(third.db) == expected_rows(2)
-        await third.destroy()
-        await fs.recorder.close()
+        await assert_recovers(client, log, tmp_path / "third", 2, expected_rows(2))
 
 
 @pytest.mark.parametrize("mode", MODES)
