@@ -18,7 +18,7 @@ from pathlib import Path
 from streamkit.broker.replica import Replica, spool_directory
 from streamkit.broker.spool import Spool
 from streamkit.broker.stores import FragmentStore, open_store
-from streamkit.keyspace import Compare, Delete, KeySpace, Put
+from streamkit.keyspace import Compare, Delete, Event, KeySpace, Put
 from streamkit.protocol import pb
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class JournalRegistry:
             try:
                 async for events in self.keyspace.watch(self.prefix, self.revision):
                     for event in events:
-                        await self._apply_event(event)
+                        self._apply_event(event)
                         self.revision = max(self.revision, event.revision)
                     self._signal()
             except asyncio.CancelledError:
@@ -168,7 +168,7 @@ class JournalRegistry:
         self.revision = revision
         self._signal()
 
-    async def _apply_event(self, event) -> None:
+    def _apply_event(self, event: Event) -> None:
         kv = event.kv
         if event.kind == "delete":
             self._drop(kv.key[len(self.prefix) :])
