@@ -141,6 +141,37 @@ def test_hints_list_only_live_fnodes_and_replay() -> None:
     assert (replay.next_seq_no, replay.next_checksum) == (full.next_seq_no, full.next_checksum)
 
 
+def test_fnode_created_after_the_last_hinted_create_but_dead_is_untracked() -> None:
+    """A file created and deleted between a live file's writes (SQLite's rollback journal).
+
+    Its create lies inside a hinted segment, after every hinted fnode was seen;
+    its unlink lies in a range the hints skip. Playback must not track it, or
+    the next create of the same path collides with the stale link.
+    """
+    history = [
+        (A, create("/db")),  # 1
+        (A, write(1)),  # 2
+        (A, create("/db-journal")),  # 3: dead by the time hints are taken
+        (A, write(1)),  # 4
+        (B, link(3, "/db-journal", unlink=True)),  # 5: B took over, outside the hints
+        (B, write(1)),  # 6
+        (B, create("/db-journal")),  # 7: the same path again, after the hints
+    ]
+    fsm = record(history[:6])
+    hints = fsm.build_hints(LOG)
+    assert [n.fnode for n in hints.live_nodes] == [1]
+    replay = FSM(hints)
+    full = FSM(rpb.FSMHints(log=LOG))
+    outcomes = []
+    for author, kind in history:
+        op, payload = make_op(full, author, **kind)
+        full.apply(op, payload, LOG, 0)
+        outcomes.append(replay.apply(op, payload, LOG, 0))
+    assert outcomes[2] is Outcome.UNTRACKED
+    assert outcomes[6] is Outcome.APPLIED
+    assert replay.links == full.links == {"/db": 1, "/db-journal": 7}
+
+
 def test_dead_branch_authors_are_skipped_while_hints_remain() -> None:
     fsm = record([(A, create("/x")), (A, write(1))])
     replay = FSM(fsm.build_hints(LOG))

@@ -279,8 +279,11 @@ class FSM:
         path = op.create.path
         self._check_free(path)
         fnode = op.seq_no
-        if self._fnode_i < len(self.hinted_fnodes):
-            if self.hinted_fnodes[self._fnode_i] != fnode:
+        if self.has_remaining_hints:
+            # Created before the hints were taken: live then only if hinted, else it
+            # died before (its unlink may well lie in a range the hints skip).
+            hinted = self.hinted_fnodes
+            if self._fnode_i >= len(hinted) or hinted[self._fnode_i] != fnode:
                 self._untracked.add(fnode)
                 return Outcome.UNTRACKED
             self._fnode_i += 1
