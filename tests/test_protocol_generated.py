@@ -3,6 +3,7 @@
 import importlib.util
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,3 +54,46 @@ def test_consumer_checkpoint_numbers_match_gazette() -> None:
     assert state["last_ack"].type == state["last_ack"].TYPE_FIXED64
     assert consumer.ShardSpec.DESCRIPTOR.fields_by_name["read_channel_size"].number == 13
     assert consumer.ReplicaStatus.Code.Value("FAILED") == 400
+
+
+def test_consumer_shard_service_numbers_match_gazette() -> None:
+    """The Shard service, checked against consumer/protocol/protocol.proto of Gazette."""
+    from streamkit.protocol import consumer_pb2 as consumer
+
+    service = consumer.DESCRIPTOR.services_by_name["Shard"]
+    assert service.full_name == "consumer.Shard"
+    assert list(service.methods_by_name) == ["Stat", "List", "Apply", "GetHints", "Unassign"]
+    assert not any(m.client_streaming or m.server_streaming for m in service.methods)
+    assert service.methods_by_name["GetHints"].output_type.full_name == "consumer.GetHintsResponse"
+    assert consumer.Status.values() == [0, 1, 2, 3, 4, 5]
+    assert consumer.Status.Name(4) == "ETCD_TRANSACTION_FAILED"
+
+    def numbers(message: Any) -> dict[str, int]:
+        return {f.name: f.number for f in message.DESCRIPTOR.fields}
+
+    assert numbers(consumer.ListRequest) == {"selector": 1, "extension": 100}
+    assert numbers(consumer.ListResponse.Shard) == {
+        "spec": 1,
+        "mod_revision": 2,
+        "route": 3,
+        "status": 4,
+        "create_revision": 5,
+    }
+    change = consumer.ApplyRequest.Change.DESCRIPTOR.fields_by_name
+    assert change["delete"].number == 3
+    assert change["primary_hints"].number == 4
+    assert change["primary_hints"].message_type.full_name == "recoverylog.FSMHints"
+    assert numbers(consumer.StatResponse) == {
+        "status": 1,
+        "header": 2,
+        "read_through": 3,
+        "publish_at": 4,
+        "extension": 100,
+    }
+    assert consumer.StatRequest.DESCRIPTOR.fields_by_name["header"].message_type.full_name == (
+        "protocol.Header"
+    )
+    hints = consumer.GetHintsResponse.DESCRIPTOR.fields_by_name
+    assert (hints["primary_hints"].number, hints["backup_hints"].number) == (3, 4)
+    assert numbers(consumer.UnassignRequest) == {"shards": 1, "only_failed": 2, "dry_run": 3}
+    assert numbers(consumer.UnassignResponse) == {"status": 1, "shards": 2}

@@ -24,9 +24,10 @@ _sym_db = _symbol_database.Default()
 
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 from streamkit.protocol import broker_pb2 as streamkit_dot_protocol_dot_broker__pb2
+from streamkit.protocol import recoverylog_pb2 as streamkit_dot_protocol_dot_recoverylog__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!streamkit/protocol/consumer.proto\x12\x08\x63onsumer\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fstreamkit/protocol/broker.proto\"\xc3\x03\n\tShardSpec\x12\n\n\x02id\x18\x01 \x01(\t\x12+\n\x07sources\x18\x02 \x03(\x0b\x32\x1a.consumer.ShardSpec.Source\x12\x1b\n\x13recovery_log_prefix\x18\x03 \x01(\t\x12\x13\n\x0bhint_prefix\x18\x04 \x01(\t\x12\x14\n\x0chint_backups\x18\x05 \x01(\x05\x12\x33\n\x10max_txn_duration\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x33\n\x10min_txn_duration\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0f\n\x07\x64isable\x18\x08 \x01(\x08\x12\x14\n\x0chot_standbys\x18\t \x01(\r\x12\"\n\x06labels\x18\n \x01(\x0b\x32\x12.protocol.LabelSet\x12\x1c\n\x14\x64isable_wait_for_ack\x18\x0b \x01(\x08\x12\x18\n\x10ring_buffer_size\x18\x0c \x01(\r\x12\x19\n\x11read_channel_size\x18\r \x01(\r\x1a-\n\x06Source\x12\x0f\n\x07journal\x18\x01 \x01(\t\x12\x12\n\nmin_offset\x18\x03 \x01(\x03\"P\n\x0c\x43onsumerSpec\x12+\n\x0cprocess_spec\x18\x01 \x01(\x0b\x32\x15.protocol.ProcessSpec\x12\x13\n\x0bshard_limit\x18\x02 \x01(\r\"\x94\x01\n\rReplicaStatus\x12*\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1c.consumer.ReplicaStatus.Code\x12\x0e\n\x06\x65rrors\x18\x02 \x03(\t\"G\n\x04\x43ode\x12\x08\n\x04IDLE\x10\x00\x12\x0c\n\x08\x42\x41\x43KFILL\x10\x64\x12\x0c\n\x07STANDBY\x10\xc8\x01\x12\x0c\n\x07PRIMARY\x10\xac\x02\x12\x0b\n\x06\x46\x41ILED\x10\x90\x03\"\xdc\x03\n\nCheckpoint\x12\x32\n\x07sources\x18\x01 \x03(\x0b\x32!.consumer.Checkpoint.SourcesEntry\x12\x39\n\x0b\x61\x63k_intents\x18\x02 \x03(\x0b\x32$.consumer.Checkpoint.AckIntentsEntry\x1a\xac\x01\n\x06Source\x12\x14\n\x0cread_through\x18\x01 \x01(\x03\x12<\n\tproducers\x18\x02 \x03(\x0b\x32).consumer.Checkpoint.Source.ProducerEntry\x1aN\n\rProducerEntry\x12\n\n\x02id\x18\x01 \x01(\x0c\x12\x31\n\x05state\x18\x02 \x01(\x0b\x32\".consumer.Checkpoint.ProducerState\x1a\x30\n\rProducerState\x12\x10\n\x08last_ack\x18\x01 \x01(\x06\x12\r\n\x05\x62\x65gin\x18\x02 \x01(\x03\x1aK\n\x0cSourcesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12*\n\x05value\x18\x02 \x01(\x0b\x32\x1b.consumer.Checkpoint.Source:\x02\x38\x01\x1a\x31\n\x0f\x41\x63kIntentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!streamkit/protocol/consumer.proto\x12\x08\x63onsumer\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fstreamkit/protocol/broker.proto\x1a$streamkit/protocol/recoverylog.proto\"\xc3\x03\n\tShardSpec\x12\n\n\x02id\x18\x01 \x01(\t\x12+\n\x07sources\x18\x02 \x03(\x0b\x32\x1a.consumer.ShardSpec.Source\x12\x1b\n\x13recovery_log_prefix\x18\x03 \x01(\t\x12\x13\n\x0bhint_prefix\x18\x04 \x01(\t\x12\x14\n\x0chint_backups\x18\x05 \x01(\x05\x12\x33\n\x10max_txn_duration\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x33\n\x10min_txn_duration\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0f\n\x07\x64isable\x18\x08 \x01(\x08\x12\x14\n\x0chot_standbys\x18\t \x01(\r\x12\"\n\x06labels\x18\n \x01(\x0b\x32\x12.protocol.LabelSet\x12\x1c\n\x14\x64isable_wait_for_ack\x18\x0b \x01(\x08\x12\x18\n\x10ring_buffer_size\x18\x0c \x01(\r\x12\x19\n\x11read_channel_size\x18\r \x01(\r\x1a-\n\x06Source\x12\x0f\n\x07journal\x18\x01 \x01(\t\x12\x12\n\nmin_offset\x18\x03 \x01(\x03\"P\n\x0c\x43onsumerSpec\x12+\n\x0cprocess_spec\x18\x01 \x01(\x0b\x32\x15.protocol.ProcessSpec\x12\x13\n\x0bshard_limit\x18\x02 \x01(\r\"\x94\x01\n\rReplicaStatus\x12*\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1c.consumer.ReplicaStatus.Code\x12\x0e\n\x06\x65rrors\x18\x02 \x03(\t\"G\n\x04\x43ode\x12\x08\n\x04IDLE\x10\x00\x12\x0c\n\x08\x42\x41\x43KFILL\x10\x64\x12\x0c\n\x07STANDBY\x10\xc8\x01\x12\x0c\n\x07PRIMARY\x10\xac\x02\x12\x0b\n\x06\x46\x41ILED\x10\x90\x03\"\xdc\x03\n\nCheckpoint\x12\x32\n\x07sources\x18\x01 \x03(\x0b\x32!.consumer.Checkpoint.SourcesEntry\x12\x39\n\x0b\x61\x63k_intents\x18\x02 \x03(\x0b\x32$.consumer.Checkpoint.AckIntentsEntry\x1a\xac\x01\n\x06Source\x12\x14\n\x0cread_through\x18\x01 \x01(\x03\x12<\n\tproducers\x18\x02 \x03(\x0b\x32).consumer.Checkpoint.Source.ProducerEntry\x1aN\n\rProducerEntry\x12\n\n\x02id\x18\x01 \x01(\x0c\x12\x31\n\x05state\x18\x02 \x01(\x0b\x32\".consumer.Checkpoint.ProducerState\x1a\x30\n\rProducerState\x12\x10\n\x08last_ack\x18\x01 \x01(\x06\x12\r\n\x05\x62\x65gin\x18\x02 \x01(\x03\x1aK\n\x0cSourcesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12*\n\x05value\x18\x02 \x01(\x0b\x32\x1b.consumer.Checkpoint.Source:\x02\x38\x01\x1a\x31\n\x0f\x41\x63kIntentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"K\n\x0bListRequest\x12)\n\x08selector\x18\x01 \x01(\x0b\x32\x17.protocol.LabelSelector\x12\x11\n\textension\x18\x64 \x01(\x0c\"\xb8\x02\n\x0cListResponse\x12 \n\x06status\x18\x01 \x01(\x0e\x32\x10.consumer.Status\x12 \n\x06header\x18\x02 \x01(\x0b\x32\x10.protocol.Header\x12,\n\x06shards\x18\x03 \x03(\x0b\x32\x1c.consumer.ListResponse.Shard\x12\x11\n\textension\x18\x64 \x01(\x0c\x1a\xa2\x01\n\x05Shard\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.consumer.ShardSpec\x12\x14\n\x0cmod_revision\x18\x02 \x01(\x03\x12\x1e\n\x05route\x18\x03 \x01(\x0b\x32\x0f.protocol.Route\x12\'\n\x06status\x18\x04 \x03(\x0b\x32\x17.consumer.ReplicaStatus\x12\x17\n\x0f\x63reate_revision\x18\x05 \x01(\x03\"\xdc\x01\n\x0c\x41pplyRequest\x12.\n\x07\x63hanges\x18\x01 \x03(\x0b\x32\x1d.consumer.ApplyRequest.Change\x12\x11\n\textension\x18\x64 \x01(\x0c\x1a\x88\x01\n\x06\x43hange\x12\x1b\n\x13\x65xpect_mod_revision\x18\x01 \x01(\x03\x12#\n\x06upsert\x18\x02 \x01(\x0b\x32\x13.consumer.ShardSpec\x12\x0e\n\x06\x64\x65lete\x18\x03 \x01(\t\x12,\n\rprimary_hints\x18\x04 \x01(\x0b\x32\x15.recoverylog.FSMHints\"f\n\rApplyResponse\x12 \n\x06status\x18\x01 \x01(\x0e\x32\x10.consumer.Status\x12 \n\x06header\x18\x02 \x01(\x0b\x32\x10.protocol.Header\x12\x11\n\textension\x18\x64 \x01(\x0c\"\xc3\x01\n\x0bStatRequest\x12 \n\x06header\x18\x01 \x01(\x0b\x32\x10.protocol.Header\x12\r\n\x05shard\x18\x02 \x01(\t\x12<\n\x0cread_through\x18\x03 \x03(\x0b\x32&.consumer.StatRequest.ReadThroughEntry\x12\x11\n\textension\x18\x64 \x01(\x0c\x1a\x32\n\x10ReadThroughEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xc5\x02\n\x0cStatResponse\x12 \n\x06status\x18\x01 \x01(\x0e\x32\x10.consumer.Status\x12 \n\x06header\x18\x02 \x01(\x0b\x32\x10.protocol.Header\x12=\n\x0cread_through\x18\x03 \x03(\x0b\x32\'.consumer.StatResponse.ReadThroughEntry\x12\x39\n\npublish_at\x18\x04 \x03(\x0b\x32%.consumer.StatResponse.PublishAtEntry\x12\x11\n\textension\x18\x64 \x01(\x0c\x1a\x32\n\x10ReadThroughEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x30\n\x0ePublishAtEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"3\n\x0fGetHintsRequest\x12\r\n\x05shard\x18\x01 \x01(\t\x12\x11\n\textension\x18\x64 \x01(\x0c\"\xa1\x02\n\x10GetHintsResponse\x12 \n\x06status\x18\x01 \x01(\x0e\x32\x10.consumer.Status\x12 \n\x06header\x18\x02 \x01(\x0b\x32\x10.protocol.Header\x12?\n\rprimary_hints\x18\x03 \x01(\x0b\x32(.consumer.GetHintsResponse.ResponseHints\x12>\n\x0c\x62\x61\x63kup_hints\x18\x04 \x03(\x0b\x32(.consumer.GetHintsResponse.ResponseHints\x12\x11\n\textension\x18\x64 \x01(\x0c\x1a\x35\n\rResponseHints\x12$\n\x05hints\x18\x01 \x01(\x0b\x32\x15.recoverylog.FSMHints\"G\n\x0fUnassignRequest\x12\x0e\n\x06shards\x18\x01 \x03(\t\x12\x13\n\x0bonly_failed\x18\x02 \x01(\x08\x12\x0f\n\x07\x64ry_run\x18\x03 \x01(\x08\"D\n\x10UnassignResponse\x12 \n\x06status\x18\x01 \x01(\x0e\x32\x10.consumer.Status\x12\x0e\n\x06shards\x18\x02 \x03(\t*\x82\x01\n\x06Status\x12\x06\n\x02OK\x10\x00\x12\x13\n\x0fSHARD_NOT_FOUND\x10\x01\x12\x14\n\x10NO_SHARD_PRIMARY\x10\x02\x12\x15\n\x11NOT_SHARD_PRIMARY\x10\x03\x12\x1b\n\x17\x45TCD_TRANSACTION_FAILED\x10\x04\x12\x11\n\rSHARD_STOPPED\x10\x05\x32\xb5\x02\n\x05Shard\x12\x35\n\x04Stat\x12\x15.consumer.StatRequest\x1a\x16.consumer.StatResponse\x12\x35\n\x04List\x12\x15.consumer.ListRequest\x1a\x16.consumer.ListResponse\x12\x38\n\x05\x41pply\x12\x16.consumer.ApplyRequest\x1a\x17.consumer.ApplyResponse\x12\x41\n\x08GetHints\x12\x19.consumer.GetHintsRequest\x1a\x1a.consumer.GetHintsResponse\x12\x41\n\x08Unassign\x12\x19.consumer.UnassignRequest\x1a\x1a.consumer.UnassignResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,26 +38,68 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHECKPOINT_SOURCESENTRY']._serialized_options = b'8\001'
   _globals['_CHECKPOINT_ACKINTENTSENTRY']._loaded_options = None
   _globals['_CHECKPOINT_ACKINTENTSENTRY']._serialized_options = b'8\001'
-  _globals['_SHARDSPEC']._serialized_start=113
-  _globals['_SHARDSPEC']._serialized_end=564
-  _globals['_SHARDSPEC_SOURCE']._serialized_start=519
-  _globals['_SHARDSPEC_SOURCE']._serialized_end=564
-  _globals['_CONSUMERSPEC']._serialized_start=566
-  _globals['_CONSUMERSPEC']._serialized_end=646
-  _globals['_REPLICASTATUS']._serialized_start=649
-  _globals['_REPLICASTATUS']._serialized_end=797
-  _globals['_REPLICASTATUS_CODE']._serialized_start=726
-  _globals['_REPLICASTATUS_CODE']._serialized_end=797
-  _globals['_CHECKPOINT']._serialized_start=800
-  _globals['_CHECKPOINT']._serialized_end=1276
-  _globals['_CHECKPOINT_SOURCE']._serialized_start=926
-  _globals['_CHECKPOINT_SOURCE']._serialized_end=1098
-  _globals['_CHECKPOINT_SOURCE_PRODUCERENTRY']._serialized_start=1020
-  _globals['_CHECKPOINT_SOURCE_PRODUCERENTRY']._serialized_end=1098
-  _globals['_CHECKPOINT_PRODUCERSTATE']._serialized_start=1100
-  _globals['_CHECKPOINT_PRODUCERSTATE']._serialized_end=1148
-  _globals['_CHECKPOINT_SOURCESENTRY']._serialized_start=1150
-  _globals['_CHECKPOINT_SOURCESENTRY']._serialized_end=1225
-  _globals['_CHECKPOINT_ACKINTENTSENTRY']._serialized_start=1227
-  _globals['_CHECKPOINT_ACKINTENTSENTRY']._serialized_end=1276
+  _globals['_STATREQUEST_READTHROUGHENTRY']._loaded_options = None
+  _globals['_STATREQUEST_READTHROUGHENTRY']._serialized_options = b'8\001'
+  _globals['_STATRESPONSE_READTHROUGHENTRY']._loaded_options = None
+  _globals['_STATRESPONSE_READTHROUGHENTRY']._serialized_options = b'8\001'
+  _globals['_STATRESPONSE_PUBLISHATENTRY']._loaded_options = None
+  _globals['_STATRESPONSE_PUBLISHATENTRY']._serialized_options = b'8\001'
+  _globals['_STATUS']._serialized_start=3050
+  _globals['_STATUS']._serialized_end=3180
+  _globals['_SHARDSPEC']._serialized_start=151
+  _globals['_SHARDSPEC']._serialized_end=602
+  _globals['_SHARDSPEC_SOURCE']._serialized_start=557
+  _globals['_SHARDSPEC_SOURCE']._serialized_end=602
+  _globals['_CONSUMERSPEC']._serialized_start=604
+  _globals['_CONSUMERSPEC']._serialized_end=684
+  _globals['_REPLICASTATUS']._serialized_start=687
+  _globals['_REPLICASTATUS']._serialized_end=835
+  _globals['_REPLICASTATUS_CODE']._serialized_start=764
+  _globals['_REPLICASTATUS_CODE']._serialized_end=835
+  _globals['_CHECKPOINT']._serialized_start=838
+  _globals['_CHECKPOINT']._serialized_end=1314
+  _globals['_CHECKPOINT_SOURCE']._serialized_start=964
+  _globals['_CHECKPOINT_SOURCE']._serialized_end=1136
+  _globals['_CHECKPOINT_SOURCE_PRODUCERENTRY']._serialized_start=1058
+  _globals['_CHECKPOINT_SOURCE_PRODUCERENTRY']._serialized_end=1136
+  _globals['_CHECKPOINT_PRODUCERSTATE']._serialized_start=1138
+  _globals['_CHECKPOINT_PRODUCERSTATE']._serialized_end=1186
+  _globals['_CHECKPOINT_SOURCESENTRY']._serialized_start=1188
+  _globals['_CHECKPOINT_SOURCESENTRY']._serialized_end=1263
+  _globals['_CHECKPOINT_ACKINTENTSENTRY']._serialized_start=1265
+  _globals['_CHECKPOINT_ACKINTENTSENTRY']._serialized_end=1314
+  _globals['_LISTREQUEST']._serialized_start=1316
+  _globals['_LISTREQUEST']._serialized_end=1391
+  _globals['_LISTRESPONSE']._serialized_start=1394
+  _globals['_LISTRESPONSE']._serialized_end=1706
+  _globals['_LISTRESPONSE_SHARD']._serialized_start=1544
+  _globals['_LISTRESPONSE_SHARD']._serialized_end=1706
+  _globals['_APPLYREQUEST']._serialized_start=1709
+  _globals['_APPLYREQUEST']._serialized_end=1929
+  _globals['_APPLYREQUEST_CHANGE']._serialized_start=1793
+  _globals['_APPLYREQUEST_CHANGE']._serialized_end=1929
+  _globals['_APPLYRESPONSE']._serialized_start=1931
+  _globals['_APPLYRESPONSE']._serialized_end=2033
+  _globals['_STATREQUEST']._serialized_start=2036
+  _globals['_STATREQUEST']._serialized_end=2231
+  _globals['_STATREQUEST_READTHROUGHENTRY']._serialized_start=2181
+  _globals['_STATREQUEST_READTHROUGHENTRY']._serialized_end=2231
+  _globals['_STATRESPONSE']._serialized_start=2234
+  _globals['_STATRESPONSE']._serialized_end=2559
+  _globals['_STATRESPONSE_READTHROUGHENTRY']._serialized_start=2181
+  _globals['_STATRESPONSE_READTHROUGHENTRY']._serialized_end=2231
+  _globals['_STATRESPONSE_PUBLISHATENTRY']._serialized_start=2511
+  _globals['_STATRESPONSE_PUBLISHATENTRY']._serialized_end=2559
+  _globals['_GETHINTSREQUEST']._serialized_start=2561
+  _globals['_GETHINTSREQUEST']._serialized_end=2612
+  _globals['_GETHINTSRESPONSE']._serialized_start=2615
+  _globals['_GETHINTSRESPONSE']._serialized_end=2904
+  _globals['_GETHINTSRESPONSE_RESPONSEHINTS']._serialized_start=2851
+  _globals['_GETHINTSRESPONSE_RESPONSEHINTS']._serialized_end=2904
+  _globals['_UNASSIGNREQUEST']._serialized_start=2906
+  _globals['_UNASSIGNREQUEST']._serialized_end=2977
+  _globals['_UNASSIGNRESPONSE']._serialized_start=2979
+  _globals['_UNASSIGNRESPONSE']._serialized_end=3047
+  _globals['_SHARD']._serialized_start=3183
+  _globals['_SHARD']._serialized_end=3492
 # @@protoc_insertion_point(module_scope)

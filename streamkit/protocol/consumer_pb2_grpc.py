@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from streamkit.protocol import consumer_pb2 as streamkit_dot_protocol_dot_consumer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -22,3 +23,247 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
+
+
+class ShardStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Stat = channel.unary_unary(
+                '/consumer.Shard/Stat',
+                request_serializer=streamkit_dot_protocol_dot_consumer__pb2.StatRequest.SerializeToString,
+                response_deserializer=streamkit_dot_protocol_dot_consumer__pb2.StatResponse.FromString,
+                _registered_method=True)
+        self.List = channel.unary_unary(
+                '/consumer.Shard/List',
+                request_serializer=streamkit_dot_protocol_dot_consumer__pb2.ListRequest.SerializeToString,
+                response_deserializer=streamkit_dot_protocol_dot_consumer__pb2.ListResponse.FromString,
+                _registered_method=True)
+        self.Apply = channel.unary_unary(
+                '/consumer.Shard/Apply',
+                request_serializer=streamkit_dot_protocol_dot_consumer__pb2.ApplyRequest.SerializeToString,
+                response_deserializer=streamkit_dot_protocol_dot_consumer__pb2.ApplyResponse.FromString,
+                _registered_method=True)
+        self.GetHints = channel.unary_unary(
+                '/consumer.Shard/GetHints',
+                request_serializer=streamkit_dot_protocol_dot_consumer__pb2.GetHintsRequest.SerializeToString,
+                response_deserializer=streamkit_dot_protocol_dot_consumer__pb2.GetHintsResponse.FromString,
+                _registered_method=True)
+        self.Unassign = channel.unary_unary(
+                '/consumer.Shard/Unassign',
+                request_serializer=streamkit_dot_protocol_dot_consumer__pb2.UnassignRequest.SerializeToString,
+                response_deserializer=streamkit_dot_protocol_dot_consumer__pb2.UnassignResponse.FromString,
+                _registered_method=True)
+
+
+class ShardServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Stat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def List(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Apply(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetHints(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unassign(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ShardServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Stat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stat,
+                    request_deserializer=streamkit_dot_protocol_dot_consumer__pb2.StatRequest.FromString,
+                    response_serializer=streamkit_dot_protocol_dot_consumer__pb2.StatResponse.SerializeToString,
+            ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=streamkit_dot_protocol_dot_consumer__pb2.ListRequest.FromString,
+                    response_serializer=streamkit_dot_protocol_dot_consumer__pb2.ListResponse.SerializeToString,
+            ),
+            'Apply': grpc.unary_unary_rpc_method_handler(
+                    servicer.Apply,
+                    request_deserializer=streamkit_dot_protocol_dot_consumer__pb2.ApplyRequest.FromString,
+                    response_serializer=streamkit_dot_protocol_dot_consumer__pb2.ApplyResponse.SerializeToString,
+            ),
+            'GetHints': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetHints,
+                    request_deserializer=streamkit_dot_protocol_dot_consumer__pb2.GetHintsRequest.FromString,
+                    response_serializer=streamkit_dot_protocol_dot_consumer__pb2.GetHintsResponse.SerializeToString,
+            ),
+            'Unassign': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unassign,
+                    request_deserializer=streamkit_dot_protocol_dot_consumer__pb2.UnassignRequest.FromString,
+                    response_serializer=streamkit_dot_protocol_dot_consumer__pb2.UnassignResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'consumer.Shard', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('consumer.Shard', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Shard:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Stat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/consumer.Shard/Stat',
+            streamkit_dot_protocol_dot_consumer__pb2.StatRequest.SerializeToString,
+            streamkit_dot_protocol_dot_consumer__pb2.StatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/consumer.Shard/List',
+            streamkit_dot_protocol_dot_consumer__pb2.ListRequest.SerializeToString,
+            streamkit_dot_protocol_dot_consumer__pb2.ListResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Apply(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/consumer.Shard/Apply',
+            streamkit_dot_protocol_dot_consumer__pb2.ApplyRequest.SerializeToString,
+            streamkit_dot_protocol_dot_consumer__pb2.ApplyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetHints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/consumer.Shard/GetHints',
+            streamkit_dot_protocol_dot_consumer__pb2.GetHintsRequest.SerializeToString,
+            streamkit_dot_protocol_dot_consumer__pb2.GetHintsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unassign(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/consumer.Shard/Unassign',
+            streamkit_dot_protocol_dot_consumer__pb2.UnassignRequest.SerializeToString,
+            streamkit_dot_protocol_dot_consumer__pb2.UnassignResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
