@@ -1,7 +1,7 @@
 """The journal client: readers, appenders, the AppendService, and listing helpers."""
 
 from streamkit.client.append_service import AppendService, AsyncAppend, OpFuture, ServiceClosed
-from streamkit.client.appender import Appender, append_bytes
+from streamkit.client.appender import Appender, append_bytes, write_head
 from streamkit.client.broker_client import BrokerClient
 from streamkit.client.errors import (
     BrokerError,
@@ -56,4 +56,5 @@ __all__ = [
     "list_fragments",
     "list_journals",
     "open_fragment",
+    "write_head",
 ]

@@ -278,6 +278,26 @@ class AppendService(AsyncClosing):
         dependencies: Iterable[OpFuture] = (),
     ) -> OpFuture:
         """Queue `data` as (part of) an append to `journal`; returns its OpFuture."""
+        future = self.append_nowait(journal, data, dependencies)
+        await self.yield_if_due()
+        return future
+
+    async def yield_if_due(self) -> None:
+        """Yield to the event loop once enough was queued since the last time.
+
+        Producers that never wait would starve the dispatch tasks otherwise.
+        """
+        if self._budget < 0:
+            self._budget = _YIELD_EVERY
+            await asyncio.sleep(0)
+
+    def append_nowait(
+        self,
+        journal: str,
+        data: bytes | bytearray | memoryview,
+        dependencies: Iterable[OpFuture] = (),
+    ) -> OpFuture:
+        """`append` for synchronous callers, who must yield to the event loop regularly."""
         tail = None if dependencies else self._open_tails.get(journal)
         if tail is not None and tail._size < self.max_append_size:
             tail._file.write(data)  # type: ignore[union-attr]  # open tails have files
@@ -286,11 +306,7 @@ class AppendService(AsyncClosing):
             tail = self.start_append(journal, dependencies)
             tail.write(data)
             tail.release()
-        # Producers that never wait would starve the dispatch tasks: yield now and then.
         self._budget -= len(data)
-        if self._budget < 0:
-            self._budget = _YIELD_EVERY
-            await asyncio.sleep(0)
         return tail.future
 
     def start_append(self, journal: str, dependencies: Iterable[OpFuture] = ()) -> AsyncAppend:

@@ -238,3 +238,10 @@ async def append_bytes(
     """
     parts = [data] if isinstance(data, bytes | bytearray | memoryview) else list(data)
     return await append_with_retries(client, journal, lambda: parts, **request)
+
+
+async def write_head(client: BrokerClient, journal: str) -> int:
+    """The journal's current write head, from a zero-byte append (a barrier: every append
+    acknowledged before it is below the returned offset)."""
+    response = await append_with_retries(client, journal, lambda: ())
+    return response.commit.end

@@ -90,12 +90,18 @@ class Publisher:
 
     async def publish_uncommitted(self, mapping: MappingFunc, message: MessageLike) -> OpFuture:
         """Append `message` within the open transaction; `build_ack_intents` commits it."""
+        future = self.publish_uncommitted_nowait(mapping, message)
+        await self.service.yield_if_due()
+        return future
+
+    def publish_uncommitted_nowait(self, mapping: MappingFunc, message: MessageLike) -> OpFuture:
+        """`publish_uncommitted` for synchronous callers, who yield to the loop regularly."""
         journal, framing = self._route(mapping, message)
         frame = self._sequenced_frame(framing, message, Flags.CONTINUE_TXN)
         if journal not in self._pending and uses_uuid(message):
             # Without UUIDs readers can't tell an ACK from data: such types get none.
             self._pending[journal] = _Pending(framing, new_acknowledgement(message, journal))
-        return await self.service.append(journal, frame)
+        return self.service.append_nowait(journal, frame)
 
     def build_ack_intents(self) -> list[AckIntent]:
         """One framed ACK_TXN per journal written uncommitted since the last call.

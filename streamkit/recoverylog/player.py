@@ -33,7 +33,7 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 
 from streamkit.client import BrokerClient, OffsetJump, OffsetNotYetAvailable, RetryReader
-from streamkit.client.appender import append_with_retries
+from streamkit.client.appender import append_with_retries, write_head
 from streamkit.protocol import pb
 from streamkit.protocol import recoverylog_pb2 as rpb
 from streamkit.recoverylog.fsm import (
@@ -474,5 +474,4 @@ class _Playback:
 
     async def _write_head(self, log: str) -> int:
         """The write head of `log`, from a zero-byte append barrier."""
-        response = await append_with_retries(self.player.client, log, lambda: ())
-        return response.commit.end
+        return await write_head(self.player.client, log)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from pathlib import Path
 
 from streamkit.client import BrokerClient
@@ -10,6 +12,68 @@ from streamkit.recoverylog.fsm import new_random_author
 from streamkit.recoverylog.player import Player
 from streamkit.recoverylog.recorded_fs import RecordedFS
 from streamkit.recoverylog.recorder import Recorder
+
+__all__ = ["Playback", "recover"]
+
+
+class Playback:
+    """Playback of a log into a directory, running until someone takes the log over.
+
+    A hot standby starts one and lets it tail (`tailing` is set once it
+    reached the write head); becoming primary is then `take_over`, which
+    only has to read what was appended since. A primary without a standby
+    does both at once (`recover`).
+    """
+
+    def __init__(
+        self, client: BrokerClient, log: str, directory: Path, hints: rpb.FSMHints | None = None
+    ) -> None:
+        if hints is not None and hints.log != log:
+            raise ValueError(f"hints are of log {hints.log!r}, not {log!r}")
+        self.client, self.log, self.directory = client, log, Path(directory)
+        self.player = Player(client)
+        self._task = asyncio.create_task(
+            self.player.play(hints or rpb.FSMHints(log=log), self.directory),
+            name=f"playback:{log}",
+        )
+
+    @property
+    def tailing(self) -> asyncio.Event:
+        return self.player.tailing
+
+    def failed(self) -> BaseException | None:
+        """Playback's error if it stopped on one (a corrupt log, a lost broker)."""
+        if self._task.done() and not self._task.cancelled():
+            return self._task.exception()
+        return None
+
+    async def wait_tailing(self) -> None:
+        """Until playback reached the write head (raises playback's error if it failed)."""
+        tailing = asyncio.ensure_future(self.tailing.wait())
+        try:
+            await asyncio.wait((tailing, self._task), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            tailing.cancel()
+        if self._task.done():
+            self._task.result()
+
+    async def take_over(self) -> RecordedFS:
+        """Fence the log's current author, finish playback, and record on as a new author.
+
+        The returned RecordedFS's recorder is the caller's to close.
+        """
+        author = new_random_author()
+        self.player.inject_handoff(author)
+        fsm = await self._task
+        recorder = Recorder(self.client, self.log, fsm, author)
+        await recorder.start()
+        return RecordedFS(self.directory, recorder)
+
+    async def cancel(self) -> None:
+        """Stop playing (a standby that was released)."""
+        self._task.cancel()
+        with contextlib.suppress(BaseException):
+            await self._task
 
 
 async def recover(
@@ -21,12 +85,4 @@ async def recover(
     the log (a deposed primary still running somewhere) can no longer append.
     `hints` (from the last primary) limit what is read; None reads the whole log.
     """
-    if hints is not None and hints.log != log:
-        raise ValueError(f"hints are of log {hints.log!r}, not {log!r}")
-    author = new_random_author()
-    player = Player(client)
-    player.inject_handoff(author)
-    fsm = await player.play(hints or rpb.FSMHints(log=log), directory)
-    recorder = Recorder(client, log, fsm, author)
-    await recorder.start()
-    return RecordedFS(directory, recorder)
+    return await Playback(client, log, directory, hints).take_over()
