@@ -4,6 +4,9 @@ The names users import. Lower layers stay importable on their own
 (`streamkit.client`, `streamkit.message`, `streamkit.protocol`, ...).
 """
 
+from streamkit.app.application import Application, QueryError
+from streamkit.app.publishing import ShardPublisher
+from streamkit.app.shard import Shard
 from streamkit.message.mapping import (
     EmptyPartitions,
     field_key,
@@ -30,6 +33,10 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "AckIntent",
+    "Application",
+    "QueryError",
+    "Shard",
+    "ShardPublisher",
     "EmptyPartitions",
     "Envelope",
     "Message",

@@ -1,0 +1,1 @@
+"""The consumer application runtime: shards, transactions, and their assignment."""

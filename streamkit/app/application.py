@@ -1,0 +1,97 @@
+"""Application: the user's stream-processing logic, as hooks the runtime calls.
+
+A user subclasses `Application` and implements `consume_message` (and usually
+`finalize_txn`). The runtime calls the hooks from the shard's task, one
+consumer transaction at a time:
+
+    begin_txn → consume_message (N times) → finalize_txn → (commit) → finished_txn
+
+Each shard gets an Application instance of its own, so attributes (say, a
+dict of counts accumulated during a transaction) are per shard.
+
+Hooks may be plain methods or coroutines (`async def`). Plain methods are
+cheaper per call and right for most work; a coroutine suits hooks that await
+I/O, such as `SQLStore.run`.
+
+State goes in the shard's store (`new_store`, by default the store
+`streamkit.yaml` names) and is committed together with the checkpoint.
+Messages published through the hook's `publisher` are uncommitted until the
+transaction commits, so readers see them exactly once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from streamkit.app.publishing import ShardPublisher
+    from streamkit.app.shard import Shard
+    from streamkit.client.append_service import OpFuture
+    from streamkit.message.message import Envelope
+    from streamkit.recoverylog.recorded_fs import RecordedFS
+    from streamkit.stores.store import Store
+
+__all__ = ["Application", "QueryError"]
+
+
+class QueryError(Exception):
+    """A query the application can't answer (bad request, unknown key...): told to the caller."""
+
+
+class Application:
+    """Base class of streamkit applications; see the module docstring for the hook order."""
+
+    #: The store kind when streamkit.yaml names none: "rocksdb", "sqlite", "sql" or "json".
+    store: ClassVar[str | None] = None
+    #: The type source messages decode to: dict, a streamkit.Message subclass or a protobuf.
+    message_type: ClassVar[type] = dict
+
+    def new_store(self, shard: Shard, fs: RecordedFS | None) -> Store:
+        """The shard's store, opened on `fs` (the directory rebuilt from its recovery log).
+
+        `fs` is None for stores without a recovery log (SQL). The default
+        builds the store kind configured in streamkit.yaml.
+        """
+        return shard.default_store(fs, initial_state=self.initial_state())
+
+    def initial_state(self) -> Any:
+        """The state a JSON store starts from (a JSON-able value or a pydantic model)."""
+        return {}
+
+    def new_message(self, journal: str) -> type:
+        """The message type of a source journal (default: `message_type`)."""
+        return self.message_type
+
+    def begin_txn(self, shard: Shard, store: Store) -> Any:
+        """Called before the first message of each transaction."""
+
+    def consume_message(
+        self, shard: Shard, store: Store, envelope: Envelope, publisher: ShardPublisher
+    ) -> Any:
+        """Apply one committed source message to the store; publish what follows from it."""
+        raise NotImplementedError(f"{type(self).__name__} must implement consume_message")
+
+    def finalize_txn(self, shard: Shard, store: Store, publisher: ShardPublisher) -> Any:
+        """Called once a transaction has consumed its last message, before it commits.
+
+        Write state accumulated in memory and publish derived messages here.
+        """
+
+    def finished_txn(self, shard: Shard, store: Store, commit: OpFuture) -> Any:
+        """Called when the transaction's commit started; `commit` resolves when it is durable."""
+
+    def query(self, shard: Shard, store: Store, request: dict[str, Any]) -> Any:
+        """Answer a read-only query (JSON in, JSON out) from the shard's committed state.
+
+        Runs on the shard's task between transactions, so it sees a consistent
+        state; raise QueryError for requests it can't answer.
+        """
+        raise QueryError(f"{type(self).__name__} answers no queries")
+
+    def combine_answers(self, answers: dict[str, Any]) -> Any:
+        """One answer from every shard's answer to the same query (shard id -> answer).
+
+        Used when a query goes to all shards rather than to the one owning a
+        key; the default returns the answers as they are.
+        """
+        return answers

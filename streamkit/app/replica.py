@@ -1,0 +1,278 @@
+"""Replica: one shard assigned to this process, as a hot standby or as its primary.
+
+A standby plays the shard's recovery log into its working directory and
+keeps tailing it. Becoming primary is then short: a hand-off fences the
+previous primary's recorder, playback finishes, the store opens on the
+rebuilt files and restores its checkpoint, the checkpoint's ACKs are appended
+again, and the transaction loop starts reading the sources where the
+checkpoint says. A primary without a standby phase does all of it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from streamkit.app.application import Application, QueryError
+from streamkit.app.checkpoints import producer_states, start_offsets
+from streamkit.app.hints import load_hints, push_backup_hints, store_primary_hints
+from streamkit.app.publishing import ShardPublisher
+from streamkit.app.shard import Shard, StoreFactory
+from streamkit.app.sources import SourceInput
+from streamkit.app.txn import TransactionLoop, reappend_ack_intents
+from streamkit.client import BrokerClient
+from streamkit.keyspace.keyspace import KeySpace
+from streamkit.message.mapping import MappingFunc
+from streamkit.message.publisher import Publisher
+from streamkit.message.sequencer import Sequencer
+from streamkit.protocol import consumer_pb
+from streamkit.protocol import recoverylog_pb2 as rpb
+from streamkit.recoverylog.fsm import FSMError, RecoveryLogError
+from streamkit.recoverylog.recorded_fs import RecordedFS
+from streamkit.recoverylog.recovery import Playback
+from streamkit.stores.store import Store
+
+__all__ = ["Replica", "Runtime"]
+
+log = logging.getLogger(__name__)
+
+Code = consumer_pb.ReplicaStatus.Code
+
+
+@dataclass
+class Runtime:
+    """What every replica of a process shares."""
+
+    app_factory: Callable[[], Application]  # one Application instance per shard
+    client: BrokerClient
+    keyspace: KeySpace | None
+    work_dir: Path
+    mappings: Callable[[str], MappingFunc]
+    store_factory: StoreFactory
+    keyspace_root: str
+    file_root: Path | None = None
+    hint_interval: float = 60.0
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class Replica:
+    """One assignment of a shard to this process; see the module docstring."""
+
+    def __init__(self, runtime: Runtime, spec: consumer_pb.ShardSpec) -> None:
+        self.runtime = runtime
+        self.app = runtime.app_factory()
+        self.shard = Shard(
+            spec,
+            runtime.client,
+            fqn=f"{runtime.keyspace_root}/items/{spec.id}",
+            work_dir=runtime.work_dir / spec.id,
+            mappings=runtime.mappings,
+            store_factory=runtime.store_factory,
+        )
+        self.status = consumer_pb.ReplicaStatus(code=Code.IDLE)
+        self.changed = asyncio.Event()  # set on every status change
+        self.store: Store | None = None
+        self.loop: TransactionLoop | None = None
+        self._playback: Playback | None = None
+        self._fs: RecordedFS | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+
+    @property
+    def id(self) -> str:
+        return self.shard.id
+
+    # --- transitions --------------------------------------------------------------
+
+    def start_standby(self) -> None:
+        """Begin tailing the recovery log (status BACKFILL, then STANDBY)."""
+        if self._task is None:
+            self._task = asyncio.create_task(
+                self._guard(self._standby()), name=f"standby:{self.id}"
+            )
+
+    def start_primary(self) -> None:
+        """Become primary (from a standby, or from nothing)."""
+        previous = self._task
+        self._task = asyncio.create_task(
+            self._guard(self._primary(previous)), name=f"primary:{self.id}"
+        )
+
+    async def stop(self) -> None:
+        """Stop: a primary finishes its transaction, commits, writes hints; then release."""
+        self._stopping.set()
+        task = self._task
+        if task is not None:
+            with contextlib.suppress(BaseException):
+                await task
+        await self._release()
+
+    async def wait(self) -> None:
+        """Until the replica's task ended (a stopped or failed shard)."""
+        if self._task is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(self._task)
+
+    # --- queries ------------------------------------------------------------------
+
+    async def query(self, request: dict[str, object]) -> object:
+        """Run the application's query against the store, between transactions."""
+        loop, store = self.loop, self.store
+        if self.status.code != Code.PRIMARY or loop is None or store is None:
+            raise QueryError(f"shard {self.id} is not serving here")
+        async with loop.lock:
+            await loop.wait_committed()  # answers reflect committed state only
+            answer = self.app.query(self.shard, store, request)
+            if asyncio.iscoroutine(answer):
+                answer = await answer
+            return answer
+
+    # --- internals ----------------------------------------------------------------
+
+    def _set_status(self, code: int, error: str | None = None) -> None:
+        self.status = consumer_pb.ReplicaStatus(code=code, errors=[error] if error else [])
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def _guard(self, body: asyncio.Future[None] | object) -> None:
+        try:
+            await body  # type: ignore[misc]
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:
+            message = f"{type(error).__name__}: {error}" if str(error) else repr(error)
+            log.error(
+                "shard %s failed: %s",
+                self.id,
+                message,
+                exc_info=not isinstance(error, QueryError | OSError),
+            )
+            self._set_status(Code.FAILED, message)
+            await self._release()
+
+    async def _hint_candidates(self) -> list[rpb.FSMHints | None]:
+        """Hints to recover from, best first: primary, backups, then the whole log."""
+        shard, keyspace = self.shard, self.runtime.keyspace
+        candidates: list[rpb.FSMHints | None] = []
+        if keyspace is not None:
+            candidates.extend(
+                h for h in await load_hints(keyspace, shard.spec) if h.log == shard.recovery_log
+            )
+        return [*candidates, None]
+
+    def _playback_of(self, hints: rpb.FSMHints | None) -> Playback:
+        self.shard.hints = hints
+        self.shard.work_dir.parent.mkdir(parents=True, exist_ok=True)
+        return Playback(self.shard.client, self.shard.recovery_log, self.shard.work_dir, hints)
+
+    async def _take_over(self) -> RecordedFS:
+        """Finish playback (a standby's, else a new one) and become the log's author.
+
+        Hints that fail to play back (a log pruned or damaged since) are
+        skipped for the next candidate, down to reading the whole log.
+        """
+        candidates = await self._hint_candidates()
+        playback = self._playback
+        if playback is None or playback.failed() is not None:
+            playback = self._playback_of(candidates[0])
+        while True:
+            self._playback = playback
+            try:
+                return await playback.take_over()
+            except (RecoveryLogError, FSMError) as error:
+                rest = (
+                    candidates[candidates.index(self.shard.hints) + 1 :]
+                    if self.shard.hints in candidates
+                    else []
+                )
+                if not rest:
+                    raise
+                log.warning(
+                    "shard %s: playback from hints failed (%s); trying older hints", self.id, error
+                )
+                playback = self._playback_of(rest[0])
+
+    async def _standby(self) -> None:
+        if not self.shard.recovery_log:
+            self._set_status(Code.STANDBY)  # nothing to tail: a SQL store recovers nothing
+            return
+        self._set_status(Code.BACKFILL)
+        self._playback = self._playback_of((await self._hint_candidates())[0])
+        await self._playback.wait_tailing()
+        self._set_status(Code.STANDBY)
+
+    async def _primary(self, standby: asyncio.Task[None] | None) -> None:
+        shard, runtime = self.shard, self.runtime
+        if standby is not None and not standby.done():
+            standby.cancel()  # it is at most waiting for the log's head; playback goes on
+            with contextlib.suppress(BaseException):
+                await standby
+        fs = None
+        if shard.recovery_log:
+            self._set_status(Code.BACKFILL)
+            fs = self._fs = await self._take_over()
+        store = self.store = self.app.new_store(shard, fs)
+        cp = await store.restore_checkpoint(shard.id)
+        if fs is not None and runtime.keyspace is not None:
+            await push_backup_hints(runtime.keyspace, shard.spec, await fs.recorder.build_hints())
+        await reappend_ack_intents(shard, cp)
+        min_offsets = {s.journal: s.min_offset for s in shard.spec.sources}
+        offsets = start_offsets(cp, min_offsets)
+        shard.progress.update(offsets, {})
+        ring = shard.spec.ring_buffer_size or 8192
+        sequencer = Sequencer(producer_states(cp), ring, offsets=offsets)
+        types = {journal: self.app.new_message(journal) for journal in offsets}
+        source = SourceInput(shard.client, sequencer, offsets, types, file_root=runtime.file_root)
+        publisher = ShardPublisher(Publisher(shard.appends), shard.output)
+        self.loop = TransactionLoop(shard, self.app, store, publisher, source)
+        self._set_status(Code.PRIMARY)
+        log.info(
+            "shard %s: primary, reading %s",
+            shard.id,
+            ", ".join(f"{j}@{o}" for j, o in sorted(offsets.items())),
+        )
+        hints_task = asyncio.create_task(self._write_hints_periodically(fs))
+        try:
+            await self.loop.run(self._stopping)
+        finally:
+            source.close()
+            hints_task.cancel()
+        await shard.appends.flush()
+        if fs is not None and runtime.keyspace is not None:
+            await store_primary_hints(runtime.keyspace, shard.spec, await fs.recorder.build_hints())
+        self._set_status(Code.IDLE)
+
+    async def _write_hints_periodically(self, fs: RecordedFS | None) -> None:
+        keyspace = self.runtime.keyspace
+        if fs is None or keyspace is None:
+            return
+        while True:
+            await asyncio.sleep(self.runtime.hint_interval)
+            try:
+                await store_primary_hints(
+                    keyspace, self.shard.spec, await fs.recorder.build_hints()
+                )
+            except Exception as error:
+                log.warning("shard %s: writing hints failed: %s", self.id, error)
+
+    async def _release(self) -> None:
+        """Close what the replica holds; its working directory is disposable."""
+        if self._playback is not None:
+            await self._playback.cancel()
+            self._playback = None
+        if self.store is not None:
+            store, self.store = self.store, None
+            with contextlib.suppress(Exception):
+                await store.destroy()
+        if self._fs is not None:
+            fs, self._fs = self._fs, None
+            with contextlib.suppress(Exception):
+                await fs.recorder.close()
+        with contextlib.suppress(Exception):
+            await self.shard.appends.close(flush=False)
+        shutil.rmtree(self.shard.work_dir, ignore_errors=True)

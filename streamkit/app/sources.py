@@ -1,0 +1,155 @@
+"""A shard's input: its source journals read uncommitted, sequenced into committed messages.
+
+One reader task per source journal decodes batches of envelopes into a shared
+queue, so reads and decoding overlap the transaction loop's consuming. The
+loop takes committed envelopes with `poll()` (no I/O, no await: the per
+message path) and awaits `fill()` only when nothing is buffered, or when the
+Sequencer needs an earlier range of a journal replayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Mapping
+from pathlib import Path
+
+from streamkit.client import BrokerClient
+from streamkit.message.message import Envelope
+from streamkit.message.reader import ReadUncommitted
+from streamkit.message.sequencer import QueueOutcome, Sequencer
+
+__all__ = ["SourceInput"]
+
+_REPLAY = QueueOutcome.ACK_COMMIT_REPLAY
+
+
+class SourceInput:
+    """Committed envelopes of a shard's source journals, exactly once (see module docstring)."""
+
+    def __init__(
+        self,
+        client: BrokerClient,
+        sequencer: Sequencer,
+        offsets: Mapping[str, int],
+        message_types: Mapping[str, type],
+        *,
+        max_batches: int = 64,
+        file_root: Path | None = None,
+    ) -> None:
+        self.client = client
+        self.sequencer = sequencer
+        self._types = dict(message_types)
+        self._file_root = file_root
+        self._queue: collections.deque[list[Envelope]] = collections.deque()
+        self._max_batches = max_batches
+        self._ready = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._error: BaseException | None = None
+        self._batch: list[Envelope] = []
+        self._pos = 0
+        self._replay: ReadUncommitted | None = None
+        self._readers = [
+            ReadUncommitted(
+                client, journal, self._types[journal], offset, True, file_root=file_root
+            )
+            for journal, offset in sorted(offsets.items())
+        ]
+        self._tasks = [
+            asyncio.create_task(self._read(reader), name=f"source:{reader.journal}")
+            for reader in self._readers
+        ]
+
+    # --- the consuming side -------------------------------------------------------
+
+    def poll(self) -> Envelope | None:
+        """The next committed envelope from what is buffered; None when I/O is needed."""
+        seq = self.sequencer
+        while True:
+            env = seq.dequeue_committed()
+            if env is not None:
+                return env
+            if self._replay is not None:
+                return None
+            if self._pos == len(self._batch):
+                if not self._queue:
+                    if self._error is not None:
+                        raise self._error
+                    self._ready.clear()
+                    return None
+                self._batch, self._pos = self._queue.popleft(), 0
+                self._room.set()
+                continue
+            env = self._batch[self._pos]
+            self._pos += 1
+            if seq.queue_uncommitted(env) is _REPLAY:
+                self._start_replay()
+
+    @property
+    def ready(self) -> bool:
+        """Whether `poll` may find an envelope without waiting for I/O."""
+        return (
+            self._pos < len(self._batch)
+            or bool(self._queue)
+            or self._error is not None
+            or self._replay is not None
+        )
+
+    async def wait_ready(self) -> None:
+        """Until input is buffered (or a reader failed, or a replay needs reading)."""
+        if not self.ready:
+            await self._ready.wait()
+
+    async def fill(self) -> None:
+        """Do the I/O `poll` is waiting for: a step of a replay, or wait for the next batch."""
+        if self._replay is not None:
+            replay = self._replay
+            batch = await replay.read_batch()  # [] once the range's end is reached
+            if not batch:
+                replay.close()
+                self._replay = None
+            self.sequencer.feed_replay(batch, done=not batch)
+        else:
+            await self.wait_ready()
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for reader in self._readers:
+            reader.close()
+        if self._replay is not None:
+            self._replay.close()
+
+    # --- internals ------------------------------------------------------------------
+
+    def _start_replay(self) -> None:
+        journal, begin, end = self.sequencer.replay_range()
+        live = next(r for r in self._readers if r.journal == journal)
+        self._replay = ReadUncommitted(
+            self.client,
+            journal,
+            live.message_type,
+            begin,
+            True,
+            live.framing,
+            end_offset=end,
+            file_root=self._file_root,
+        )
+
+    async def _read(self, reader: ReadUncommitted) -> None:
+        try:
+            while True:
+                batch = await reader.read_batch()
+                if not batch:
+                    continue
+                while len(self._queue) >= self._max_batches:
+                    self._room.clear()
+                    await self._room.wait()
+                self._queue.append(batch)
+                self._ready.set()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:
+            self._error = error
+            self._ready.set()

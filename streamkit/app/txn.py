@@ -1,0 +1,252 @@
+"""The consumer transaction loop of a primary shard.
+
+Each transaction consumes committed source messages, then commits the
+application's state together with a Checkpoint (source offsets, producer
+states, and the ACK intents of what it published), then appends those ACKs.
+Transactions are pipelined: the next one consumes while the previous one's
+commit and ACKs are in flight, and it may not begin its own commit before they
+finished. Its length is bounded by the shard's min and max durations:
+
+* it begins with the first committed message;
+* it goes on consuming as long as messages are ready, until the max duration;
+* when none is ready it waits, instead of committing, while the previous
+  transaction is still committing, while the min duration hasn't passed, or
+  while a producer's transaction is open in the input (an ACK is probably
+  on its way, unless the spec disables waiting for ACKs) — at most until the
+  max duration;
+* otherwise it commits.
+
+ACKs are queued right when the commit starts, with the commit as their
+dependency, so in every journal they precede whatever the next transaction
+publishes, and they are written only once the checkpoint holding them is
+durable. After a crash the next primary appends them again from that
+checkpoint (`reappend_ack_intents`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from streamkit.app.application import Application
+from streamkit.app.checkpoints import build_checkpoint
+from streamkit.app.metrics import SHARD_METRICS
+from streamkit.app.publishing import ShardPublisher
+from streamkit.app.shard import Shard
+from streamkit.app.sources import SourceInput
+from streamkit.client.append_service import OpFuture
+from streamkit.message.message import Envelope
+from streamkit.protocol import consumer_pb
+from streamkit.stores.store import Store
+
+__all__ = ["TransactionLoop", "reappend_ack_intents"]
+
+log = logging.getLogger(__name__)
+
+_YIELD_EVERY = 256  # messages consumed between yields to the event loop (reads, commits)
+
+
+def _hook(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
+    """An awaitable form of a hook that may be plain or a coroutine function."""
+    if inspect.iscoroutinefunction(fn):
+        return fn
+
+    async def call(*args: Any) -> Any:
+        return fn(*args)
+
+    return call
+
+
+async def reappend_ack_intents(shard: Shard, cp: consumer_pb.Checkpoint) -> None:
+    """Append the restored checkpoint's ACKs again: its transaction may have died before."""
+    futures = [shard.appends.append_nowait(j, data) for j, data in cp.ack_intents.items()]
+    for future in futures:
+        await future
+
+
+class TransactionLoop:
+    """Runs consumer transactions of one primary shard until asked to stop or failing."""
+
+    def __init__(
+        self,
+        shard: Shard,
+        app: Application,
+        store: Store,
+        publisher: ShardPublisher,
+        source: SourceInput,
+    ) -> None:
+        self.shard, self.app, self.store = shard, app, store
+        self.publisher, self.source = publisher, source
+        spec = shard.spec
+        self.max_duration = spec.max_txn_duration.ToTimedelta().total_seconds() or 1.0
+        self.min_duration = spec.min_txn_duration.ToTimedelta().total_seconds()
+        self.wait_for_ack = not spec.disable_wait_for_ack
+        self.metrics = SHARD_METRICS.labels_for(shard.id)
+        self._async_consume = inspect.iscoroutinefunction(app.consume_message)
+        self._begin = _hook(app.begin_txn)
+        self._finalize = _hook(app.finalize_txn)
+        self._finished = _hook(app.finished_txn)
+        self._previous: asyncio.Task[None] | None = None
+        self.last_commit: float | None = None  # wall time the last transaction was acknowledged
+        # Held from a transaction's first message until its commit started: queries take it
+        # to see the store between transactions.
+        self.lock = asyncio.Lock()
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Consume and commit until `stopping` is set, then finish the transaction in progress."""
+        try:
+            while True:
+                first = await self._first_message(stopping)
+                if first is None:
+                    break
+                async with self.lock:
+                    await self._transaction(first, stopping)
+        finally:
+            previous = self._previous
+            if previous is not None and not previous.done():
+                await asyncio.wait((previous,))
+        self._check_previous()
+
+    async def wait_committed(self) -> None:
+        """Until the last started commit is durable and acknowledged (raises if it failed)."""
+        previous = self._previous
+        if previous is not None:
+            await asyncio.wait((previous,))
+        self._check_previous()
+
+    # --- phases --------------------------------------------------------------------
+
+    async def _first_message(self, stopping: asyncio.Event) -> Envelope | None:
+        """Wait for the next transaction's first message; None once stopping."""
+        source = self.source
+        while True:
+            self._check_previous()
+            env = source.poll()
+            if env is not None:
+                return env
+            if stopping.is_set():
+                return None
+            if not source.ready:
+                waits: list[Awaitable[Any]] = [source.wait_ready(), stopping.wait()]
+                if self._previous is not None:
+                    waits.append(self._previous)
+                await _first_of(waits)
+            else:
+                await source.fill()
+
+    async def _transaction(self, env: Envelope, stopping: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        shard, store, source, publisher = self.shard, self.store, self.source, self.publisher
+        started = loop.time()
+        min_at, max_at = started + self.min_duration, started + self.max_duration
+        await self._begin(shard, store)
+        publisher.publisher.clock.update()
+        consume = self.app.consume_message
+        poll = source.poll
+        count = 0
+        while True:
+            if env is not None:
+                count += 1
+                if self._async_consume:
+                    await consume(shard, store, env, publisher)
+                else:
+                    consume(shard, store, env, publisher)
+                if count % _YIELD_EVERY == 0:
+                    await asyncio.sleep(0)
+                    if loop.time() >= max_at:
+                        break
+                env = poll()
+                continue
+            now = loop.time()
+            if now >= max_at:
+                break
+            if source.ready:
+                await source.fill()  # a replay to read, or a reader's error to raise in poll
+                env = poll()
+                continue
+            previous = self._previous
+            if previous is not None and not previous.done():
+                await _first_of([previous, source.wait_ready()], max_at - now)
+            elif stopping.is_set():
+                break
+            elif now < min_at:
+                await _first_of([source.wait_ready(), stopping.wait()], min_at - now)
+            elif self.wait_for_ack and source.sequencer.has_pending():
+                await _first_of([source.wait_ready(), stopping.wait()], max_at - now)
+            else:
+                break
+            self._check_previous()
+            env = poll()
+        # The previous commit must be done before this one starts (one commit in flight).
+        if self._previous is not None and not self._previous.done():
+            stalled = time.monotonic()
+            await asyncio.wait((self._previous,))
+            self.metrics.stalled.observe(time.monotonic() - stalled)
+        self._check_previous()
+        self.metrics.consumed.observe(loop.time() - started)
+        self.metrics.messages.inc(count)
+        await self._commit(count)
+
+    async def _commit(self, count: int) -> None:
+        shard, store, publisher = self.shard, self.store, self.publisher
+        await self._finalize(shard, store, publisher)
+        cp = build_checkpoint(self.source.sequencer, publisher.publisher.build_ack_intents())
+        wait_for = shard.appends.pending_except("")
+        committing = time.monotonic()
+        commit = await store.start_commit(shard.id, cp, wait_for)
+        acks = {
+            journal: shard.appends.append_nowait(journal, data, (commit,))
+            for journal, data in cp.ack_intents.items()
+        }
+        await self._finished(shard, store, commit)
+        self._previous = asyncio.create_task(
+            self._acknowledged(commit, acks, cp, committing, count), name=f"acknowledge:{shard.id}"
+        )
+
+    async def _acknowledged(
+        self,
+        commit: OpFuture,
+        acks: dict[str, OpFuture],
+        cp: consumer_pb.Checkpoint,
+        committing: float,
+        count: int,
+    ) -> None:
+        await commit
+        self.metrics.committed.observe(time.monotonic() - committing)
+        publish_at = {}
+        for journal, ack in acks.items():
+            response = await ack
+            publish_at[journal] = response.commit.end
+        self.shard.transactions += 1
+        self.shard.messages += count
+        self.metrics.transactions.inc()
+        self.last_commit = time.time()
+        self.shard.progress.update(
+            {journal: source.read_through for journal, source in cp.sources.items()}, publish_at
+        )
+
+    def _check_previous(self) -> None:
+        """Raise the previous transaction's commit or ACK error, if it failed."""
+        previous = self._previous
+        if previous is not None and previous.done():
+            self._previous = None
+            previous.result()
+
+
+async def _first_of(waits: list[Awaitable[Any]], timeout: float | None = None) -> None:
+    """Until the first of `waits` finishes (or `timeout`).
+
+    Coroutines are wrapped in tasks here and cancelled afterwards; tasks the
+    caller passed in (the previous commit) are left running.
+    """
+    futures = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait, future in zip(waits, futures, strict=True):
+            if future is not wait and not future.done():
+                future.cancel()
