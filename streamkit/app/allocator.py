@@ -1,0 +1,527 @@
+"""Shard allocation: membership, leader election, and converging assignments.
+
+Every consumer process runs an `Allocator`. It announces the process as a
+member (a key under its own lease, kept alive in the background), and keeps
+`state` current from a watch over the application's root. The member with
+the oldest key is the leader: on every change it solves the desired
+placement (`streamkit.app.solver.solve`) and writes the difference as
+KeySpace transactions (`plan_changes`, `apply_changes`):
+
+* new replicas are put under the *assigned* member's lease, so they vanish
+  with that process;
+* a replica is removed only while enough consistent replicas remain
+  (`assignment.is_consistent`), so a move never opens a gap in hot
+  standbys: the new replica first catches up, then the old one goes;
+* a shard without a slot-0 assignment gets one by promoting its most
+  caught-up standby (delete the standby key, create the slot-0 key with the
+  same status), which is how failover happens when a primary's lease
+  expires;
+* a member holding two or more primaries more than another member that
+  stands by for one of them hands that primary over (`_plan_handoff`);
+* every transaction compares the leader's own member key and every key the
+  decision read, so a deposed leader, or one deciding on stale state,
+  writes nothing.
+
+Failover latency is about the lease TTL: a dead process's lease lapses
+`lease_ttl` after its last keepalive; the next KeySpace operation by anyone
+deletes its keys (SQLiteKeySpace expires lazily, and every live allocator's
+watch polls the store every `poll_interval`); the leader then promotes
+within one settle delay plus one transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Self
+
+from streamkit.app.assignment import (
+    FAILED,
+    PRIMARY,
+    STANDBY,
+    AllocState,
+    Assignment,
+    MemberId,
+    assignment_key,
+    build_state,
+    is_consistent,
+    member_key,
+)
+from streamkit.app.solver import Placement, solve
+from streamkit.keyspace import (
+    CompactedError,
+    Compare,
+    Delete,
+    KeySpace,
+    KeySpaceError,
+    KeyValue,
+    Op,
+    Put,
+)
+from streamkit.protocol import consumer_pb
+
+log = logging.getLogger(__name__)
+
+# Items per converge transaction; a failed batch is retried item by item.
+BATCH_ITEMS = 32
+
+
+@dataclass
+class ItemChange:
+    """The writes that move one item toward its desired placement, and their guard."""
+
+    item: str
+    compares: dict[str, Compare] = field(default_factory=dict)
+    ops: list[Op] = field(default_factory=list)
+
+    def guard(self, kv: KeyValue | None, key: str) -> None:
+        self.compares[key] = Compare(key, mod_revision=kv.mod_revision if kv else 0)
+
+
+def plan_changes(
+    root: str, state: AllocState, desired: Placement, leader: MemberId
+) -> list[ItemChange]:
+    """Writes taking `state` one safe step toward `desired`, one change per item.
+
+    Safe means: removals keep at least as many consistent replicas as the
+    item wants; a primary is replaced by promoting an existing replica when
+    one is usable. The plan is a step, not the whole way: the leader plans
+    again when the statuses it waits on change.
+    """
+    leader_kv = state.member_kv(leader)
+    if leader_kv is None:
+        return []
+    primaries = Counter(a.member for a in state.assignments if a.slot == 0)
+    changes = []
+    settled = []
+    for item in sorted(set(state.items) | set(state.assigned_items())):
+        change = _plan_item(root, state, item, desired.get(item, frozenset()), primaries)
+        if change.ops:
+            changes.append(change)
+        else:
+            settled.append(change)
+    for change in settled:
+        _plan_handoff(root, state, change, desired.get(change.item, frozenset()), primaries)
+        if change.ops:
+            changes.append(change)
+    for change in changes:
+        change.guard(leader_kv, leader_kv.key)
+    return changes
+
+
+def _plan_handoff(
+    root: str,
+    state: AllocState,
+    change: ItemChange,
+    wanted: frozenset[MemberId],
+    primaries: Counter[MemberId],
+) -> None:
+    """Swap a settled item's primary with a standby when that evens out primaries.
+
+    Without this, whoever starts first stays primary of everything that has
+    standbys, and the others only tail logs. Only settled items qualify (the
+    placement matches, the primary is PRIMARY, the standby is STANDBY), and
+    only when the two members' primary counts differ by two or more, so each
+    swap strictly evens the spread and swaps can't go back and forth.
+    """
+    current = state.assignments_of(change.item)
+    primary = state.primary_of(change.item)
+    if primary is None or primary.code != PRIMARY or {a.member for a in current} != wanted:
+        return
+    standbys = [a for a in current if a.slot != 0 and a.code == STANDBY]
+    if not standbys:
+        return
+    best = min(standbys, key=lambda a: (primaries[a.member], a.slot))
+    if primaries[primary.member] - primaries[best.member] < 2:
+        return
+    up_kv, down_kv = state.member_kv(best.member), state.member_kv(primary.member)
+    assert up_kv is not None and down_kv is not None
+    up_key = assignment_key(root, change.item, best.member, 0)
+    down_key = assignment_key(root, change.item, primary.member, best.slot)
+    change.ops += [
+        Delete(primary.key),
+        Delete(best.key),
+        Put(up_key, best.status.SerializeToString(), up_kv.lease),
+        Put(down_key, b"", down_kv.lease),  # back to IDLE: it must catch up as a standby
+    ]
+    change.guard(None, up_key)
+    change.guard(None, down_key)
+    change.guard(up_kv, up_kv.key)
+    change.guard(down_kv, down_kv.key)
+    primaries[primary.member] -= 1
+    primaries[best.member] += 1
+
+
+def _plan_item(
+    root: str,
+    state: AllocState,
+    item: str,
+    wanted: frozenset[MemberId],
+    primaries: Counter[MemberId],
+) -> ItemChange:
+    change = ItemChange(item)
+    current = state.assignments_of(item)
+    for a in current:
+        change.compares[a.key] = Compare(a.key, mod_revision=a.mod_revision)
+    primary = state.primary_of(item)
+    primary_code = primary.code if primary else None
+
+    # Removals. Replicas of departed members, and duplicates, go unconditionally;
+    # unwanted ones only while enough consistent replicas stay behind.
+    removed: set[str] = set()
+    pool: list[Assignment] = []
+    seen: set[MemberId] = set()
+    for a in current:
+        if a.member not in state.members or a.member in seen:
+            removed.add(a.key)
+        else:
+            pool.append(a)
+        seen.add(a.member)
+    unwanted = sorted(
+        (a for a in pool if a.member not in wanted),
+        key=lambda a: (is_consistent(a, primary_code), -a.slot),
+    )
+    # Wanted replicas that are FAILED (and not counted consistent) will never
+    # catch up, so waiting for them would wait forever.
+    hopeless = sum(
+        1
+        for a in pool
+        if a.member in wanted and a.code == FAILED and not is_consistent(a, primary_code)
+    )
+    need = len(wanted) - hopeless
+    for a in unwanted:
+        left = sum(
+            1
+            for c in pool
+            if c is not a and c.key not in removed and is_consistent(c, primary_code)
+        )
+        if not is_consistent(a, primary_code) or left >= need:
+            removed.add(a.key)
+    change.ops.extend(Delete(a.key) for a in current if a.key in removed)
+    remaining = [a for a in current if a.key not in removed]
+    if primary and primary.key in removed:
+        primaries[primary.member] -= 1
+
+    used = {a.slot for a in remaining}
+    # Promotion: the most caught-up healthy replica takes slot 0.
+    if 0 not in used:
+        usable = [a for a in remaining if a.code != FAILED]
+        if usable:
+            best = max(
+                usable,
+                key=lambda a: (
+                    is_consistent(a, primary_code),
+                    a.code,
+                    -primaries[a.member],
+                    -a.slot,
+                ),
+            )
+            kv = state.member_kv(best.member)
+            assert kv is not None  # remaining replicas are of live members
+            new_key = assignment_key(root, item, best.member, 0)
+            change.ops.append(Delete(best.key))
+            change.ops.append(Put(new_key, best.status.SerializeToString(), kv.lease))
+            change.guard(None, new_key)
+            change.guard(kv, kv.key)
+            primaries[best.member] += 1
+            used.discard(best.slot)
+            used.add(0)
+
+    # Additions, under each new member's own lease.
+    held = {a.member for a in remaining}
+    added = sorted(wanted - held, key=lambda m: (primaries[m], m))
+    for member in added:
+        kv = state.member_kv(member)
+        if kv is None:
+            continue
+        slot = 0
+        while slot in used:
+            slot += 1
+        used.add(slot)
+        if slot == 0:
+            primaries[member] += 1
+        key = assignment_key(root, item, member, slot)
+        change.ops.append(Put(key, b"", kv.lease))  # an empty ReplicaStatus is IDLE
+        change.guard(None, key)
+        change.guard(kv, kv.key)
+    return change
+
+
+async def apply_changes(keyspace: KeySpace, changes: Sequence[ItemChange]) -> tuple[bool, int]:
+    """Write changes in batched transactions; (all succeeded, highest revision written).
+
+    A batch whose guard fails is retried item by item, so one item that
+    changed under us doesn't hold back the others.
+    """
+    ok, revision = True, 0
+    for start in range(0, len(changes), BATCH_ITEMS):
+        batch = changes[start : start + BATCH_ITEMS]
+        groups = [batch] if len(batch) == 1 else [batch, *([c] for c in batch)]
+        for group in groups:
+            compares: dict[str, Compare] = {}
+            ops: list[Op] = []
+            for change in group:
+                compares.update(change.compares)
+                ops.extend(change.ops)
+            result = await keyspace.txn(list(compares.values()), ops)
+            if result.succeeded:
+                revision = max(revision, result.revision)
+                if group is batch:
+                    break
+            elif len(group) == 1:
+                ok = False
+    return ok, revision
+
+
+async def converge(
+    keyspace: KeySpace,
+    root: str,
+    state: AllocState,
+    leader: MemberId,
+    desired: Placement | None = None,
+) -> tuple[bool, int]:
+    """Write one step from `state` toward `desired` (default: `solve(state)`), as `leader`."""
+    if desired is None:
+        desired = solve(state)
+    return await apply_changes(keyspace, plan_changes(root, state, desired, leader))
+
+
+class Allocator:
+    """One process's membership in a consumer application, and its share of leading.
+
+    `start()` announces the member and begins watching; `state` is then kept
+    current. Leave with `leave()` (hands off at once) or stop with
+    `close()` (keys linger until the lease lapses, as after a crash).
+    """
+
+    def __init__(
+        self,
+        keyspace: KeySpace,
+        root: str,
+        member: MemberId,
+        spec: consumer_pb.ConsumerSpec | None = None,
+        *,
+        lease_ttl: float = 2.0,
+        settle: float = 0.02,
+    ) -> None:
+        if lease_ttl <= 0:
+            raise ValueError("lease_ttl must be positive")
+        self.keyspace = keyspace
+        self.root = root.rstrip("/")
+        self.member = member
+        self.spec = consumer_pb.ConsumerSpec()
+        if spec is not None:
+            self.spec.CopyFrom(spec)
+        spec_id = self.spec.process_spec.id
+        if spec_id.zone or spec_id.suffix:
+            if (spec_id.zone, spec_id.suffix) != (member.zone, member.suffix):
+                raise ValueError(f"spec names member {spec_id.zone}#{spec_id.suffix}, not {member}")
+        else:
+            spec_id.zone, spec_id.suffix = member.zone, member.suffix
+        self.key = member_key(self.root, member)
+        self.lease_ttl = lease_ttl
+        self.settle = settle
+        self.lease = 0
+        self._state = build_state(self.root, (), 0)
+        self._kvs: dict[str, KeyValue] = {}
+        self._changed = asyncio.Event()
+        self._dirty = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._desired: Placement | None = None
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> None:
+        """Announce this member, load the current state, and start the background tasks."""
+        if self._tasks:
+            raise RuntimeError("allocator already started")
+        await self._announce()
+        kvs, revision = await self.keyspace.range(self.root + "/")
+        self._load(kvs, revision)
+        self._tasks = [
+            asyncio.create_task(self._keepalive_loop(), name=f"allocator-keepalive {self.member}"),
+            asyncio.create_task(self._watch_loop(revision), name=f"allocator-watch {self.member}"),
+            asyncio.create_task(self._converge_loop(), name=f"allocator-converge {self.member}"),
+        ]
+
+    async def leave(self) -> None:
+        """Leave now: stop leading, and revoke the lease, deleting this member's
+        key and all its assignments in one revision (standbys elsewhere are
+        promoted by the leader)."""
+        await self._stop()
+        if self.lease:
+            await self.keyspace.revoke(self.lease)
+            self.lease = 0
+
+    async def close(self) -> None:
+        """Stop the background tasks without touching the KeySpace."""
+        await self._stop()
+
+    async def _stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.leave()
+
+    async def _announce(self) -> None:
+        """Grant a lease and create the member key, waiting out a previous
+        incarnation whose key hasn't expired yet."""
+        self.lease = await self.keyspace.grant(self.lease_ttl)
+        warned = False
+        while True:
+            result = await self.keyspace.txn(
+                [Compare(self.key, create_revision=0)],
+                [Put(self.key, self.spec.SerializeToString(), self.lease)],
+            )
+            if result.succeeded:
+                return
+            if not warned:
+                log.warning("member key %s exists; waiting for it to expire", self.key)
+                warned = True
+            await asyncio.sleep(min(0.1, self.lease_ttl / 4))
+            if not await self.keyspace.keepalive(self.lease):
+                self.lease = await self.keyspace.grant(self.lease_ttl)
+
+    # -- state -----------------------------------------------------------------
+
+    @property
+    def state(self) -> AllocState:
+        """The latest parsed snapshot of the application's keys."""
+        return self._state
+
+    @property
+    def is_leader(self) -> bool:
+        return self._state.leader == self.member
+
+    async def wait_for_change(self, after_revision: int) -> AllocState:
+        """Wait for a state newer than `after_revision`."""
+        while self._state.revision <= after_revision:
+            await self._changed.wait()
+        return self._state
+
+    async def wait_for(self, predicate: Callable[[AllocState], bool]) -> AllocState:
+        """Wait for a state satisfying `predicate` (wrap in asyncio.timeout to bound it)."""
+        while not predicate(self._state):
+            await self.wait_for_change(self._state.revision)
+        return self._state
+
+    def my_assignments(self) -> list[Assignment]:
+        return self._state.assignments_of_member(self.member)
+
+    async def update_status(
+        self, assignment: Assignment, status: consumer_pb.ReplicaStatus
+    ) -> Assignment | None:
+        """Set an assignment's status if it is unchanged since it was read.
+
+        Returns the updated assignment, or None if it changed or vanished
+        meanwhile (re-read `state` and decide again).
+        """
+        value = status.SerializeToString()
+        result = await self.keyspace.txn(
+            [Compare(assignment.key, mod_revision=assignment.mod_revision)],
+            [Put(assignment.key, value, assignment.lease)],
+        )
+        if not result.succeeded:
+            return None
+        copy = consumer_pb.ReplicaStatus()
+        copy.CopyFrom(status)
+        return dataclasses.replace(assignment, status=copy, mod_revision=result.revision)
+
+    def _load(self, kvs: Sequence[KeyValue], revision: int) -> None:
+        self._kvs = {kv.key: kv for kv in kvs}
+        self._publish(revision)
+
+    def _publish(self, revision: int) -> None:
+        self._state = build_state(self.root, self._kvs.values(), revision)
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+        self._dirty.set()
+
+    # -- background tasks ------------------------------------------------------
+
+    async def _keepalive_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_ttl / 3)
+            try:
+                if not await self.keyspace.keepalive(self.lease):
+                    log.warning("member %s lost its lease; announcing again", self.member)
+                    await self._announce()
+            except KeySpaceError as e:
+                log.warning("member %s keepalive failed: %s", self.member, e)
+
+    async def _watch_loop(self, revision: int) -> None:
+        prefixes = tuple(f"{self.root}/{part}/" for part in ("items", "members", "assign"))
+        while True:
+            try:
+                async with contextlib.aclosing(
+                    self.keyspace.watch(self.root + "/", revision)
+                ) as events:
+                    async for batch in events:
+                        relevant = False
+                        for event in batch:
+                            if not event.kv.key.startswith(prefixes):
+                                continue
+                            relevant = True
+                            if event.kind == "put":
+                                self._kvs[event.kv.key] = event.kv
+                            else:
+                                self._kvs.pop(event.kv.key, None)
+                        revision = batch[-1].revision
+                        if relevant:
+                            self._publish(revision)
+            except CompactedError:
+                kvs, revision = await self.keyspace.range(self.root + "/")
+                self._load(kvs, revision)
+            except KeySpaceError as e:
+                log.warning("allocator watch failed (%s); retrying", e)
+                await asyncio.sleep(0.1)
+
+    async def _converge_loop(self) -> None:
+        while True:
+            await self._dirty.wait()
+            await asyncio.sleep(self.settle)
+            self._dirty.clear()
+            state = self._state
+            if state.leader != self.member:
+                self._desired = None
+                continue
+            # Solving with the previous answer as tie-breaker keeps the leader
+            # on one plan while a change is under way.
+            self._desired = solve(state, prefer=self._desired)
+            try:
+                ok, revision = await converge(
+                    self.keyspace, self.root, state, self.member, self._desired
+                )
+            except KeySpaceError as e:
+                log.warning("allocator converge failed: %s", e)
+                ok, revision = False, 0
+            if not ok:
+                # Something changed under us; the watch will bring it, but
+                # don't depend on that to try again.
+                await asyncio.sleep(0.05)
+                self._dirty.set()
+            elif revision:
+                # Plan the next step only from a state that includes this one.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(1.0):
+                        await self.wait_for_change(revision - 1)
