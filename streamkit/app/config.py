@@ -1,0 +1,728 @@
+"""streamkit.yaml: what an application reads and writes, how it is sharded, where state lives.
+
+`load_config(app_dir)` parses and validates the file into an `AppConfig`.
+Everything the runtime creates is derived from it, so nobody else has to
+spell names out:
+
+* topics are sets of journals `<topic>/part-000` … (`partitions` of them),
+  labeled `app.streamkit.dev/topic=<topic>` and with their content-type;
+* shards are `shard-000` …; shard i reads partition (i mod partitions) of
+  every source topic, so a source with fewer partitions than shards is read
+  by several shards (a broadcast), while more partitions than shards would
+  leave some unread and is refused;
+* each shard's store is recorded into the recovery log
+  `recovery/<name>/<shard id>` (except SQL stores, whose database is durable
+  on its own); shard specs live under the keyspace root
+  `/gazette/consumers/<name>`, as a Gazette consumer's do in Etcd.
+
+Every mistake becomes a `ConfigError` listing one line per problem, naming
+the file and the field path ("streamkit.yaml: sources[0].partitions: must be
+≥ 1"). Unknown fields are refused with a suggestion, so typos are not
+silently ignored. ConfigError is a SpecError, so the command line reports it
+like any other bad input file.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import re
+import sys
+import traceback
+import types
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any, Self, get_args
+
+import yaml
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from streamkit.app.application import Application
+from streamkit.app.store_kinds import STORE_KINDS, records_to_log
+from streamkit.message.framing import UnknownFraming, framing_for
+from streamkit.message.mapping import (
+    MappingFunc,
+    StaticPartitions,
+    field_key,
+    modulo_mapping,
+    random_mapping,
+)
+from streamkit.protocol import consumer_pb, pb
+from streamkit.protocol.labels import label_set, label_value_problem
+from streamkit.protocol.spec import (
+    FragmentSpec,
+    JournalSpec,
+    Label,
+    Problem,
+    SpecError,
+    format_duration,
+    journal_name_problem,
+    parse_duration,
+)
+from streamkit.recoverylog.fsm import CONTENT_TYPE as RECOVERY_LOG_CONTENT_TYPE
+
+__all__ = [
+    "APP_LABEL",
+    "CONFIG_FILE",
+    "DEFAULT_STORE",
+    "STORE_KINDS",
+    "TOPIC_LABEL",
+    "AppConfig",
+    "ConfigError",
+    "StoreConfig",
+    "TopicConfig",
+    "TransactionsConfig",
+    "load_config",
+]
+
+CONFIG_FILE = "streamkit.yaml"
+DEFAULT_STORE = "rocksdb"  # when neither streamkit.yaml nor the Application names one
+TOPIC_LABEL = "app.streamkit.dev/topic"  # on every partition of a topic
+APP_LABEL = "app"  # on shard specs and recovery logs: the app's name
+NAME_RE = re.compile(r"[a-z][a-z0-9-]*")
+MAX_NAME_LEN = 63
+MAX_SHARDS = 1000  # shard ids and partition names keep three digits
+MAX_PARTITIONS = 1000
+MAX_STANDBYS = 8
+HINT_BACKUPS = 2
+DATA_DIR = ".streamkit"
+
+_APPLICATION_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+
+# Topics: large fragments for throughput, rolled at least every 15 minutes so
+# that readers of fragment files (backfills) see data that recent.
+_TOPIC_FRAGMENT = FragmentSpec(
+    length=1 << 27, compression_codec="SNAPPY", flush_interval=timedelta(minutes=15)
+)
+# Recovery logs: smaller fragments, so playback and pruning work in finer steps.
+_RECOVERY_LOG_FRAGMENT = FragmentSpec(length=1 << 26, compression_codec="SNAPPY")
+
+
+# --- errors -----------------------------------------------------------------------
+
+
+class ConfigError(SpecError):
+    """A bad streamkit.yaml (or application it names): one readable line per problem."""
+
+
+class _FieldProblems(ValueError):
+    """Raised inside validators for problems located below the validated value."""
+
+    def __init__(self, found: list[tuple[tuple[str | int, ...], str]]) -> None:
+        super().__init__("; ".join(message for _, message in found))
+        self.found = found
+
+
+def _render(loc: Iterable[str | int]) -> str:
+    """("sources", 0, "topic") -> "sources[0].topic"."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out
+
+
+def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
+    """The model whose fields sit at `loc` (list indexes skipped), to suggest field names."""
+    model: Any = AppConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if isinstance(model, type) else None
+        if field is None:
+            return None
+        model = field.annotation
+        while not (isinstance(model, type) and issubclass(model, BaseModel)):
+            args = [a for a in get_args(model) if a is not type(None)]
+            if not args:
+                return None
+            model = args[0]
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _unknown_field(loc: tuple[str | int, ...]) -> str:
+    model = _model_at(loc[:-1])
+    if model is None or not isinstance(loc[-1], str):
+        return "unknown field"
+    known = list(model.model_fields)
+    for field in model.model_fields.values():
+        if isinstance(field.validation_alias, AliasChoices):
+            known += [a for a in field.validation_alias.choices if isinstance(a, str)]
+    known = list(dict.fromkeys(known))
+    close = difflib.get_close_matches(loc[-1], known, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(known)}"
+    return f"unknown field ({hint})"
+
+
+_TYPE_WORDS = {
+    "int_type": "must be an integer",
+    "int_parsing": "must be an integer",
+    "string_type": "must be a string",
+    "model_type": "must be a mapping of settings",
+    "dict_type": "must be a mapping of settings",
+    "list_type": "must be a list",
+}
+
+
+def _problems(error: Mapping[str, Any], source: str) -> list[Problem]:
+    """Readable problems for one pydantic error entry."""
+    loc = tuple(error["loc"])
+    ctx = error.get("ctx", {})
+    cause = ctx.get("error")
+    kind = error["type"]
+    if isinstance(cause, _FieldProblems):
+        return [
+            Problem(message, _render(loc + below), source=source) for below, message in cause.found
+        ]
+    if isinstance(cause, ValueError):
+        message = str(cause)
+    elif kind == "extra_forbidden":
+        message = _unknown_field(loc)
+    elif kind == "missing":
+        message = "is required"
+    elif kind == "greater_than_equal":
+        message = f"must be ≥ {ctx['ge']} (got {error['input']!r})"
+    elif kind == "less_than_equal":
+        message = f"must be ≤ {ctx['le']} (got {error['input']!r})"
+    elif kind in _TYPE_WORDS:
+        message = f"{_TYPE_WORDS[kind]} (got {error['input']!r})"
+    else:
+        message = f"{error['msg'][0].lower()}{error['msg'][1:]} (got {error['input']!r})"
+    return [Problem(message, _render(loc), source=source)]
+
+
+def _config_error(message: str, source: str, path: str = "") -> ConfigError:
+    return ConfigError([Problem(message, path, source=source)])
+
+
+# --- field types ----------------------------------------------------------------------
+
+
+def _duration(value: object) -> timedelta:
+    if isinstance(value, bool):
+        raise ValueError(f'expected a duration like "250ms", "1s", "2m" (got {value!r})')
+    return parse_duration(value)
+
+
+Duration = Annotated[timedelta, BeforeValidator(_duration)]
+
+
+def _store_shorthand(value: object) -> object:
+    """`store: sqlite` means `store: {kind: sqlite}`."""
+    return {"kind": value} if isinstance(value, str) else value
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TopicConfig(_Model):
+    """A topic the app reads (a source) or publishes to (an output)."""
+
+    topic: str
+    partitions: int = Field(1, strict=True, ge=1, le=MAX_PARTITIONS)
+    content_type: str = "application/x-ndjson"
+    key: str | None = None
+
+    @field_validator("topic")
+    @classmethod
+    def _check_topic(cls, topic: str) -> str:
+        if topic.endswith("/"):
+            raise ValueError(f"must not end in '/': partitions are named {topic}part-000 …")
+        if problem := journal_name_problem(f"{topic}/part-000"):
+            raise ValueError(f"not usable as a prefix of journal names: {problem}")
+        if problem := label_value_problem(topic):
+            raise ValueError(f"not usable as a label value: {problem}")
+        return topic
+
+    @field_validator("content_type")
+    @classmethod
+    def _check_content_type(cls, content_type: str) -> str:
+        try:
+            framing_for(content_type)
+        except UnknownFraming as err:
+            raise ValueError(str(err)) from None
+        try:  # and as a journal would have it (MIME syntax, label characters)
+            JournalSpec(
+                name="topic/part-000", labels=[Label(name="content-type", value=content_type)]
+            )
+        except SpecError as err:
+            raise ValueError("; ".join(p.message for p in err.problems)) from None
+        return content_type
+
+    @field_validator("key")
+    @classmethod
+    def _check_key(cls, key: str | None) -> str | None:
+        if key is not None and not key.strip():
+            raise ValueError("must name a field (or be left out for random partitioning)")
+        return key
+
+    def journals(self) -> list[str]:
+        """The topic's partitions: `<topic>/part-000` …, in order."""
+        return [f"{self.topic}/part-{i:03d}" for i in range(self.partitions)]
+
+    def journal_spec(self, journal: str) -> JournalSpec:
+        return JournalSpec(
+            name=journal,
+            labels=[
+                Label(name="content-type", value=self.content_type),
+                Label(name=TOPIC_LABEL, value=self.topic),
+            ],
+            fragment=_TOPIC_FRAGMENT,
+        )
+
+
+class StoreConfig(_Model):
+    """Where shards keep state. `kind` None: the Application's `store`, else rocksdb."""
+
+    kind: str | None = None
+    url: str | None = None
+
+    @field_validator("kind")
+    @classmethod
+    def _check_kind(cls, kind: str | None) -> str | None:
+        if kind is not None and kind not in STORE_KINDS:
+            raise ValueError(f"must be one of {', '.join(STORE_KINDS)} (got {kind!r})")
+        return kind
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str | None) -> str | None:
+        if url is None:
+            return url
+        from sqlalchemy.engine import make_url  # heavy: only when a URL is given
+        from sqlalchemy.exc import ArgumentError
+
+        try:
+            make_url(url)
+        except ArgumentError as err:
+            raise ValueError(f"not a SQLAlchemy database URL ({err})") from None
+        return url
+
+    @model_validator(mode="after")
+    def _url_only_for_sql(self) -> Self:
+        if self.url is not None and self.kind != "sql":
+            raise _FieldProblems([(("url",), "only a sql store takes a url (set kind: sql)")])
+        return self
+
+
+class TransactionsConfig(_Model):
+    """How long a consumer transaction may (min) and must at most (max) run."""
+
+    min_duration: Duration = timedelta(0)
+    max_duration: Duration = timedelta(seconds=1)
+
+    @field_validator("min_duration")
+    @classmethod
+    def _check_min(cls, value: timedelta) -> timedelta:
+        if value < timedelta(0):
+            raise ValueError(f"must not be negative (got {format_duration(value)})")
+        return value
+
+    @field_validator("max_duration")
+    @classmethod
+    def _check_max(cls, value: timedelta) -> timedelta:
+        if value <= timedelta(0):
+            raise ValueError(f"must be more than 0s (got {format_duration(value)})")
+        return value
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> Self:
+        if self.min_duration > self.max_duration:
+            raise _FieldProblems(
+                [
+                    (
+                        ("min_duration",),
+                        (
+                            f"{format_duration(self.min_duration)} is more than max_duration "
+                            f"{format_duration(self.max_duration)}"
+                        ),
+                    )
+                ]
+            )
+        return self
+
+
+# --- the application's configuration ---------------------------------------------------
+
+
+class AppConfig(_Model):
+    """A validated streamkit.yaml, and everything derived from it."""
+
+    name: str
+    application: str
+    shards: int = Field(1, strict=True, ge=1, le=MAX_SHARDS)
+    sources: list[TopicConfig]
+    outputs: list[TopicConfig] = Field(default_factory=list)
+    store: Annotated[StoreConfig, BeforeValidator(_store_shorthand)] = StoreConfig()
+    transactions: TransactionsConfig = TransactionsConfig()
+    standbys: int = Field(
+        0,
+        strict=True,
+        ge=0,
+        le=MAX_STANDBYS,
+        validation_alias=AliasChoices("standbys", "hot_standbys"),
+    )
+
+    _app_dir: Path | None = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_standbys_spelling(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "standbys" in data and "hot_standbys" in data:
+            raise _FieldProblems([(("hot_standbys",), "give standbys or hot_standbys, not both")])
+        return data
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        if not NAME_RE.fullmatch(name) or len(name) > MAX_NAME_LEN:
+            raise ValueError(
+                f"must be lower-case letters, digits and '-', starting with a letter, at most "
+                f"{MAX_NAME_LEN} characters (got {name!r})"
+            )
+        return name
+
+    @field_validator("application")
+    @classmethod
+    def _check_application(cls, application: str) -> str:
+        if not _APPLICATION_RE.fullmatch(application):
+            raise ValueError(f'must be "module:Class", e.g. "app:WordCount" (got {application!r})')
+        return application
+
+    @field_validator("sources")
+    @classmethod
+    def _check_sources(cls, sources: list[TopicConfig]) -> list[TopicConfig]:
+        if not sources:
+            raise ValueError("at least one source topic is required")
+        return sources
+
+    @model_validator(mode="after")
+    def _check_topics(self) -> Self:
+        found: list[tuple[tuple[str | int, ...], str]] = []
+        for i, source in enumerate(self.sources):
+            if source.partitions > self.shards:
+                found.append(
+                    (
+                        ("sources", i, "partitions"),
+                        (
+                            f"{source.partitions} partitions but {self.shards} shards: partitions "
+                            f"{self.shards} and up would never be read (shard i reads partition "
+                            f"i mod {source.partitions}); use at most {self.shards} partitions, "
+                            "or more shards"
+                        ),
+                    )
+                )
+        listed: set[tuple[str, str]] = set()
+        as_source = {source.topic: source for source in self.sources}
+        for field in ("sources", "outputs"):
+            for i, topic in enumerate(getattr(self, field)):
+                if (field, topic.topic) in listed:
+                    found.append(((field, i, "topic"), f"topic {topic.topic!r} is listed twice"))
+                elif field == "outputs" and as_source.get(topic.topic, topic) != topic:
+                    found.append(
+                        (
+                            (field, i),
+                            f"topic {topic.topic!r} is also a source, "
+                            "with different settings: make them the same",
+                        )
+                    )
+                listed.add((field, topic.topic))
+        if found:
+            raise _FieldProblems(found)
+        return self
+
+    # --- loading ------------------------------------------------------------------
+
+    @classmethod
+    def parse(
+        cls, document: Any, source: str = CONFIG_FILE, app_dir: Path | None = None
+    ) -> AppConfig:
+        """Validate a parsed document; problems raise ConfigError naming `source`."""
+        if not isinstance(document, dict):
+            kind = "empty" if document is None else f"a {type(document).__name__}"
+            raise _config_error(
+                f"expected a mapping of settings (name, application, "
+                f"sources, ...), but the file is {kind}",
+                source,
+            )
+        try:
+            config = cls.model_validate(document)
+        except ValidationError as err:
+            raise ConfigError(p for e in err.errors() for p in _problems(e, source)) from None
+        config._app_dir = app_dir
+        return config
+
+    @property
+    def app_dir(self) -> Path:
+        """The folder streamkit.yaml was loaded from (the current one if not from a file)."""
+        return self._app_dir if self._app_dir is not None else Path(".")
+
+    @property
+    def config_file(self) -> str:
+        return str(self.app_dir / CONFIG_FILE)
+
+    @property
+    def data_dir(self) -> Path:
+        """Where the app keeps local data (broker, keyspace, shard directories)."""
+        return self.app_dir / DATA_DIR
+
+    def with_store(self, kind: str) -> AppConfig:
+        """A copy using store `kind` (as `streamkit run --store` asks); a url stays only for sql."""
+        if kind not in STORE_KINDS:
+            raise _config_error(
+                f"must be one of {', '.join(STORE_KINDS)} (got {kind!r})", "store kind"
+            )
+        store = StoreConfig(kind=kind, url=self.store.url if kind == "sql" else None)
+        return self.model_copy(update={"store": store})
+
+    def for_application(self, app_class: type[Application]) -> AppConfig:
+        """The config with the Application's `store` filled in when streamkit.yaml names none."""
+        if self.store.kind is not None:
+            return self
+        return self.with_store(app_class.store or DEFAULT_STORE)
+
+    @property
+    def store_kind(self) -> str:
+        return self.store.kind or DEFAULT_STORE
+
+    def sql_url(self) -> str:
+        """The SQL store's database: `store.url`, or an SQLite file in the data dir."""
+        if self.store.url is not None:
+            return self.store.url
+        return f"sqlite:///{(self.data_dir / 'store.sqlite').resolve()}"
+
+    # --- names --------------------------------------------------------------------
+
+    @property
+    def keyspace_root(self) -> str:
+        return f"/gazette/consumers/{self.name}"
+
+    @property
+    def hint_prefix(self) -> str:
+        return f"{self.keyspace_root}/hints"
+
+    @property
+    def hot_standbys(self) -> int:
+        return self.standbys
+
+    def shard_ids(self) -> list[str]:
+        return [f"shard-{i:03d}" for i in range(self.shards)]
+
+    def _topic(self, topic: str) -> TopicConfig:
+        for candidate in (*self.outputs, *self.sources):
+            if candidate.topic == topic:
+                return candidate
+        raise _config_error(
+            f"topic {topic!r} is neither a source nor an output (add it to outputs)",
+            self.config_file,
+        )
+
+    def topics(self) -> list[TopicConfig]:
+        """Every topic once: sources, then outputs that are not also sources."""
+        seen = {source.topic for source in self.sources}
+        return [*self.sources, *(t for t in self.outputs if t.topic not in seen)]
+
+    def topic_journals(self, topic: str) -> list[str]:
+        return self._topic(topic).journals()
+
+    def source_journals(self, shard_index: int) -> list[str]:
+        """The journals shard `shard_index` reads: partition (index mod partitions) of each."""
+        if not 0 <= shard_index < self.shards:
+            raise IndexError(f"shard index {shard_index} out of range (0..{self.shards - 1})")
+        return [s.journals()[shard_index % s.partitions] for s in self.sources]
+
+    @property
+    def recovery_log_prefix(self) -> str:
+        """Empty for sql stores: their database is durable on its own, no log is recorded."""
+        return f"recovery/{self.name}" if records_to_log(self.store_kind) else ""
+
+    def recovery_log(self, shard_id: str) -> str:
+        prefix = self.recovery_log_prefix
+        return f"{prefix}/{shard_id}" if prefix else ""
+
+    # --- specs --------------------------------------------------------------------
+
+    def journal_specs(self) -> list[JournalSpec]:
+        """Every journal the app needs: topic partitions, then the shards' recovery logs."""
+        specs = [
+            topic.journal_spec(journal) for topic in self.topics() for journal in topic.journals()
+        ]
+        for shard_id in self.shard_ids():
+            if log := self.recovery_log(shard_id):
+                specs.append(
+                    JournalSpec(
+                        name=log,
+                        labels=[
+                            Label(name="content-type", value=RECOVERY_LOG_CONTENT_TYPE),
+                            Label(name=APP_LABEL, value=self.name),
+                        ],
+                        fragment=_RECOVERY_LOG_FRAGMENT,
+                    )
+                )
+        return specs
+
+    def shard_specs(self) -> list[consumer_pb.ShardSpec]:
+        specs = []
+        for index, shard_id in enumerate(self.shard_ids()):
+            spec = consumer_pb.ShardSpec(
+                id=shard_id,
+                sources=[
+                    consumer_pb.ShardSpec.Source(journal=journal, min_offset=0)
+                    for journal in self.source_journals(index)
+                ],
+                recovery_log_prefix=self.recovery_log_prefix,
+                hint_prefix=self.hint_prefix,
+                hint_backups=HINT_BACKUPS,
+                hot_standbys=self.standbys,
+                labels=label_set((APP_LABEL, self.name)),
+            )
+            spec.max_txn_duration.FromTimedelta(self.transactions.max_duration)
+            spec.min_txn_duration.FromTimedelta(self.transactions.min_duration)
+            specs.append(spec)
+        return specs
+
+    def mapping_for(self, topic: str) -> MappingFunc:
+        """How messages are routed to the topic's partitions: by its key, else at random."""
+        config = self._topic(topic)
+        journals = [
+            pb.ListResponse.Journal(spec=config.journal_spec(name).to_proto())
+            for name in config.journals()
+        ]
+        partitions = StaticPartitions(journals, selector=f"{TOPIC_LABEL}={topic}")
+        if config.key is None:
+            return random_mapping(partitions)
+        return modulo_mapping(field_key(config.key), partitions)
+
+    # --- the application class --------------------------------------------------------
+
+    def load_application(self, app_dir: Path | None = None) -> type[Application]:
+        """Import the `module:Class` named by `application`, with the app folder on sys.path."""
+        folder = Path(app_dir if app_dir is not None else self.app_dir).resolve()
+        module_name, class_name = self.application.split(":")
+        module = _import_from(folder, module_name, self.config_file)
+        where = f"{module_name}:{class_name}"
+        cls = getattr(module, class_name, None)
+        if cls is None:
+            raise _config_error(
+                f"module {module_name!r} ({_file_of(module)}) has no {class_name!r}",
+                self.config_file,
+                "application",
+            )
+        if not isinstance(cls, type) or not issubclass(cls, Application):
+            what = type(cls).__name__ if not isinstance(cls, type) else f"class {cls.__name__}"
+            raise _config_error(
+                f"{where} is not a subclass of streamkit.Application (it is a {what})",
+                self.config_file,
+                "application",
+            )
+        if cls is Application:
+            raise _config_error(
+                f"{where} is streamkit.Application itself: subclass it",
+                self.config_file,
+                "application",
+            )
+        return cls
+
+
+# Modules load_application imported, and the folder each came from: another app's
+# module of the same name (every template app has an `app`) is replaced, never
+# a module imported by anything else.
+_app_modules: dict[str, Path] = {}
+
+
+def _file_of(module: types.ModuleType) -> str:
+    return str(getattr(module, "__file__", None) or module.__name__)
+
+
+def _within(path: str | None, folder: Path) -> bool:
+    return path is not None and Path(path).resolve().is_relative_to(folder)
+
+
+def _forget_other_app(folder: Path, top: str, source: str) -> None:
+    existing = sys.modules.get(top)
+    if existing is None or _within(getattr(existing, "__file__", None), folder):
+        return
+    if top not in _app_modules:
+        raise _config_error(
+            f"module {top!r} is already imported from {_file_of(existing)}; "
+            "rename the app's module",
+            source,
+            "application",
+        )
+    for name in [n for n in sys.modules if n == top or n.startswith(f"{top}.")]:
+        del sys.modules[name]
+
+
+def _import_from(folder: Path, module_name: str, source: str) -> types.ModuleType:
+    top = module_name.split(".")[0]
+    if str(folder) in sys.path:
+        sys.path.remove(str(folder))
+    sys.path.insert(0, str(folder))
+    _forget_other_app(folder, top, source)
+    importlib.invalidate_caches()
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name is not None and (module_name + ".").startswith(err.name + "."):
+            raise _config_error(
+                f"no module {module_name!r} in {folder}", source, "application"
+            ) from None
+        raise _import_failed(module_name, err, folder, source) from None
+    except Exception as err:
+        raise _import_failed(module_name, err, folder, source) from None
+    _app_modules[top] = folder
+    return module
+
+
+def _import_failed(module_name: str, err: Exception, folder: Path, source: str) -> ConfigError:
+    """The exception's text and the last line of the app's code it went through."""
+    text = " ".join(str(err).split())
+    where = ""
+    if not isinstance(err, SyntaxError):  # its text already names file and line
+        frames = [f for f in traceback.extract_tb(err.__traceback__) if _within(f.filename, folder)]
+        if frames:
+            where = f" (at {Path(frames[-1].filename).relative_to(folder)}:{frames[-1].lineno})"
+    return _config_error(
+        f"importing module {module_name!r} failed: {type(err).__name__}: {text}{where}",
+        source,
+        "application",
+    )
+
+
+def _yaml_error(err: yaml.YAMLError, source: str) -> ConfigError:
+    mark = getattr(err, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    reason = getattr(err, "problem", None) or str(err)
+    return _config_error(f"invalid YAML: {where}{reason}", source)
+
+
+def load_config(app_dir: Path | str) -> AppConfig:
+    """Read and validate `<app_dir>/streamkit.yaml`; any problem raises ConfigError."""
+    folder = Path(app_dir)
+    path = folder / CONFIG_FILE
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        hint = "" if folder.is_dir() else f" ({folder} is not a folder)"
+        raise _config_error(
+            f"no such file{hint}: is this an app folder? `streamkit new NAME` makes one", source
+        ) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise _config_error(f"cannot read: {err}", source) from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise _yaml_error(err, source) from None
+    return AppConfig.parse(document, source, folder)
