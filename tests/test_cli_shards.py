@@ -1,0 +1,335 @@
+"""`streamkit shards …` against a real KeySpace (and, for stat, a real running member).
+
+KeySpace-only commands run in-process through click's CliRunner on an app
+folder whose KeySpace is seeded the way `streamkit run` and the allocator
+write it. stat runs as a subprocess, since the member it asks runs in the
+test's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner, Result
+
+from streamkit.app.assignment import MemberId
+from streamkit.app.config import AppConfig, load_config
+from streamkit.app.deploy import ensure_shard_specs
+from streamkit.app.member import deploy
+from streamkit.app.shard_api import apply_shards
+from streamkit.cli.main import cli
+from streamkit.client import BrokerClient
+from streamkit.keyspace import open_keyspace
+from streamkit.protocol import consumer_pb
+from streamkit.protocol import recoverylog_pb2 as rpb
+from tests.brokerproc import free_port
+from tests.helpers_client import eventually
+from tests.test_shard_api import (
+    TIMEOUT,
+    add_member,
+    all_primary,
+    app_document,
+    app_name,
+    assign,
+    publish_lines,
+    running_member,
+)
+
+Code = consumer_pb.ReplicaStatus.Code
+
+
+def make_app(folder: Path, shards: int = 2) -> AppConfig:
+    """An app folder with streamkit.yaml and the KeySpace `streamkit run` would have made."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "streamkit.yaml").write_text(yaml.safe_dump(app_document(app_name(), shards)))
+    config = load_config(folder)
+    config.data_dir.mkdir()
+
+    async def seed() -> None:
+        async with open_keyspace(str(config.data_dir / "keyspace.db")) as keyspace:
+            await ensure_shard_specs(keyspace, config.keyspace_root, config.shard_specs())
+
+    asyncio.run(seed())
+    return config
+
+
+def keyspace_do(config: AppConfig, action: Any) -> Any:
+    """Run `action(keyspace, root)` on the app's KeySpace."""
+    async def run() -> Any:
+        async with open_keyspace(str(config.data_dir / "keyspace.db")) as keyspace:
+            return await action(keyspace, config.keyspace_root)
+
+    return asyncio.run(run())
+
+
+def shards(*args: str) -> Result:
+    result = CliRunner().invoke(cli, ["shards", *args], catch_exceptions=False)
+    assert "Traceback" not in result.stderr
+    return result
+
+
+def ok(*args: str) -> str:
+    result = shards(*args)
+    assert result.exit_code == 0, result.stderr
+    return result.stdout
+
+
+def fails(*args: str, code: int) -> str:
+    result = shards(*args)
+    assert result.exit_code == code, (result.stdout, result.stderr)
+    assert result.stderr.startswith("streamkit: error: "), result.stderr
+    return result.stderr
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> AppConfig:
+    return make_app(tmp_path / "app")
+
+
+def seed_assignments(config: AppConfig) -> None:
+    async def action(keyspace: Any, root: str) -> None:
+        m1 = MemberId("local", "w1")
+        await add_member(keyspace, root, m1, "grpc://127.0.0.1:7001")
+        await assign(keyspace, root, "shard-000", m1, 0, Code.PRIMARY)
+        await assign(keyspace, root, "shard-001", m1, 0, Code.FAILED, "shard broke")
+
+    keyspace_do(config, action)
+
+
+# --- list ------------------------------------------------------------------------------------
+
+
+def test_list_table_json_yaml_and_selectors(app: AppConfig) -> None:
+    where = ["--app", str(app.app_dir)]
+    table = ok("list", *where).splitlines()
+    assert table[0].split() == ["ID", "STATUS", "PRIMARY", "STANDBYS", "REVISION", "LABELS"]
+    assert [line.split()[:2] for line in table[1:]] == [["shard-000", "UNASSIGNED"],
+                                                         ["shard-001", "UNASSIGNED"]]
+    seed_assignments(app)
+    result = shards("list", *where)
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
+    assert "PRIMARY" in rows["shard-000"] and "local#w1 (grpc://127.0.0.1:7001)" in \
+        rows["shard-000"]
+    assert "FAILED" in rows["shard-001"]
+    assert "shard-001 at local#w1: FAILED: shard broke" in result.stderr
+
+    listed = json.loads(ok("list", *where, "-l", "id=shard-001", "-o", "json"))
+    assert [s["id"] for s in listed] == ["shard-001"]
+    assert listed[0]["route"] == [{"member": "local#w1", "endpoint": "grpc://127.0.0.1:7001",
+                                   "primary": True, "status": "FAILED",
+                                   "errors": ["shard broke"]}]
+    assert listed[0]["spec"]["sources"][0]["journal"] == f"{app.name}/lines/part-001"
+    assert json.loads(ok("list", *where, "-l", f"app={app.name}", "--format", "json"))[1]["id"] \
+        == "shard-001"
+    assert json.loads(ok("list", *where, "-l", "app=other", "-o", "json")) == []
+
+    document = yaml.safe_load(ok("list", *where, "-o", "yaml"))
+    assert [s["id"] for s in document["shards"]] == ["shard-000", "shard-001"]
+    assert all(s["revision"] > 0 for s in document["shards"])
+
+    assert "bad label selector" in fails("list", *where, "-l", "a=(", code=2)
+
+
+def test_list_finds_the_keyspace_or_explains(app: AppConfig, tmp_path: Path) -> None:
+    keyspace = str(app.data_dir / "keyspace.db")
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    listed = json.loads(ok("list", "--app", str(other), "--keyspace", keyspace,
+                           "--root", app.keyspace_root, "-o", "json"))
+    assert [s["id"] for s in listed] == ["shard-000", "shard-001"]
+    # --keyspace without --root takes the root from the app folder's streamkit.yaml.
+    assert len(json.loads(ok("list", "--app", str(app.app_dir), "--keyspace", keyspace,
+                             "-o", "json"))) == 2
+    assert "--keyspace needs --root" in fails("list", "--app", str(other), "--keyspace",
+                                              keyspace, code=2)
+    assert "is this an app folder" in fails("list", "--app", str(other), code=2)
+    assert "--root must be an absolute" in fails("list", "--keyspace", keyspace, "--root",
+                                                 "relative", code=2)
+    assert "no KeySpace at" in fails("list", "--keyspace", str(other / "none.db"), "--root",
+                                     "/gazette/consumers/x", code=1)
+    fresh = make_app(tmp_path / "fresh")
+    (fresh.data_dir / "keyspace.db").unlink()
+    assert "the app hasn't run here yet" in fails("list", "--app", str(fresh.app_dir), code=1)
+
+
+# --- apply -----------------------------------------------------------------------------------
+
+
+def test_apply_round_trip_dry_run_stale_and_delete(app: AppConfig, tmp_path: Path) -> None:
+    where = ["--app", str(app.app_dir)]
+    document = yaml.safe_load(ok("list", *where, "-o", "yaml"))
+    document["shards"][0]["hot_standbys"] = 1
+    document["shards"].append({"id": "shard-extra", "sources": [{"journal": "extra/input"}],
+                               "labels": [{"name": "app", "value": "extra"}]})
+    specs = tmp_path / "shards.yaml"
+    specs.write_text(yaml.safe_dump(document))
+    before = ok("list", *where, "-o", "yaml")
+
+    dry = ok("apply", str(specs), *where, "--dry-run")
+    assert "would update shard-000" in dry and "hot_standbys: 0 -> 1" in dry
+    assert "would create shard-extra" in dry and "unchanged shard-001" in dry
+    assert "dry run, nothing applied" in dry
+    assert ok("list", *where, "-o", "yaml") == before
+
+    done = ok("apply", str(specs), *where)
+    assert "updated shard-000 (revision" in done and "created shard-extra" in done
+    assert "1 created, 1 updated, 0 deleted, 1 unchanged" in done
+    listed = {s["id"]: s for s in json.loads(ok("list", *where, "-o", "json"))}
+    assert listed["shard-000"]["spec"]["hot_standbys"] == 1
+    assert listed["shard-extra"]["spec"]["labels"] == [{"name": "app", "value": "extra"}]
+
+    # The same file again changes nothing (and so checks no revision)...
+    assert "0 created, 0 updated, 0 deleted, 3 unchanged" in ok("apply", str(specs), *where)
+    # ...but changes from it meet shard-000's stale revision, and shard-extra existing.
+    document["shards"][0]["hot_standbys"] = 2
+    document["shards"][2]["disable"] = True
+    specs.write_text(yaml.safe_dump(document))
+    stale = fails("apply", str(specs), *where, code=1)
+    assert "shard shard-000 changed since revision" in stale
+    assert "shard shard-extra already exists" in stale
+
+    deleting = {"shards": [{"id": "shard-extra", "delete": True,
+                            "revision": listed["shard-extra"]["mod_revision"]}]}
+    specs.write_text(yaml.safe_dump(deleting))
+    assert "deleted shard-extra (was revision" in ok("apply", str(specs), *where)
+    assert "shard-extra" not in ok("list", *where)
+    specs.write_text(yaml.safe_dump({"shards": [{"id": "shard-000", "delete": True}]}))
+    assert "deleting needs the revision" in fails("apply", str(specs), *where, code=2)
+
+
+def test_apply_reports_invalid_files(app: AppConfig, tmp_path: Path) -> None:
+    where = ["--app", str(app.app_dir)]
+    specs = tmp_path / "bad.yaml"
+    specs.write_text(yaml.safe_dump({"shards": [
+        {"id": "shard-bad", "max_txn_duration": "0s"},
+        {"id": "shard-worse", "hot_standbys": -1, "colour": "red"}]}))
+    error = fails("apply", str(specs), *where, code=2)
+    assert 'shard "shard-bad": max_txn_duration' in error
+    assert 'shard "shard-worse": colour: unknown field' in error
+    assert 'shard "shard-worse": hot_standbys' in error
+    assert "cannot read shard file" in fails("apply", str(tmp_path / "none.yaml"), *where,
+                                             code=2)
+    specs.write_text("shards: [")
+    assert "bad.yaml" in fails("apply", str(specs), *where, code=2)
+    assert "shard-bad" not in ok("list", *where)
+
+
+# --- unassign and hints ------------------------------------------------------------------------
+
+
+def test_unassign_failed_shard(app: AppConfig) -> None:
+    where = ["--app", str(app.app_dir)]
+    seed_assignments(app)
+
+    async def assigned(keyspace: Any, root: str) -> list[str]:
+        kvs, _ = await keyspace.range(f"{root}/assign/")
+        return [kv.key.removeprefix(f"{root}/assign/") for kv in kvs]
+
+    before = keyspace_do(app, assigned)
+    result = shards("unassign", "shard-000", "shard-001", "--only-failed", "--dry-run", *where)
+    assert result.exit_code == 0 and result.stdout == "shard-001\n"
+    assert "would unassign 1 shard" in result.stderr
+    assert keyspace_do(app, assigned) == before
+    assert ok("unassign", "shard-000", "shard-001", "--only-failed", *where) == "shard-001\n"
+    assert keyspace_do(app, assigned) == ["shard-000#local#w1#0"]
+    again = shards("unassign", "shard-001", "--only-failed", *where)
+    assert again.stdout == "" and "nothing to unassign" in again.stderr
+    assert "SHARD_NOT_FOUND): shard-999" in fails("unassign", "shard-000", "shard-999", *where,
+                                                  code=1)
+    assert "shard-000" in ok("unassign", "shard-000", *where)  # a healthy primary, too
+    assert keyspace_do(app, assigned) == []
+    assert "Missing argument" in shards("unassign", *where).stderr
+
+
+def test_hints(app: AppConfig) -> None:
+    where = ["--app", str(app.app_dir)]
+    empty = json.loads(ok("hints", "shard-000", *where))
+    assert empty == {"shard": "shard-000", "primary": None, "backups": [None, None]}
+
+    async def with_hints(keyspace: Any, root: str) -> None:
+        spec = app.shard_specs()[0]
+        hints = rpb.FSMHints(log=f"recovery/{app.name}/shard-000",
+                             properties=[rpb.Property(path="/IDENTITY", content="x")])
+        response = await apply_shards(keyspace, root, [consumer_pb.ApplyRequest.Change(
+            expect_mod_revision=-1, upsert=spec, primary_hints=hints)])
+        assert response.status == consumer_pb.OK
+
+    keyspace_do(app, with_hints)
+    shown = json.loads(ok("hints", "shard-000", *where))
+    assert shown["primary"]["log"] == f"recovery/{app.name}/shard-000"
+    assert shown["primary"]["properties"] == [{"path": "/IDENTITY", "content": "x"}]
+    assert "shard shard-404 not found" in fails("hints", "shard-404", *where, code=1)
+    assert "shard:" in fails("hints", "x", *where, code=2)  # not a valid shard id
+
+
+# --- stat ------------------------------------------------------------------------------------
+
+
+def test_stat_errors_without_a_running_primary(app: AppConfig) -> None:
+    where = ["--app", str(app.app_dir)]
+    assert "shard shard-000 has no primary right now" in fails("stat", "shard-000", *where,
+                                                              code=1)
+    assert "SHARD_NOT_FOUND" in fails("stat", "shard-404", *where, code=1)
+
+    async def dead_primary(keyspace: Any, root: str) -> None:
+        member = MemberId("local", "gone")
+        await add_member(keyspace, root, member, f"grpc://127.0.0.1:{free_port()}")
+        await assign(keyspace, root, "shard-000", member, 0, Code.PRIMARY)
+
+    keyspace_do(app, dead_primary)
+    assert "cannot reach shard shard-000's primary local#gone" in fails(
+        "stat", "shard-000", *where, "--timeout", "5", code=1)
+    assert "JOURNAL=OFFSET" in shards("stat", "shard-000", *where, "--read-through",
+                                      "nonsense").stderr
+
+
+async def _cli(*args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "streamkit.cli.main", "shards", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert b"Traceback" not in err, err.decode()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_stat_asks_the_running_primary(shared_broker: Any, tmp_path: Path) -> None:
+    folder = tmp_path / "app"
+    folder.mkdir()
+    (folder / "streamkit.yaml").write_text(yaml.safe_dump(app_document(app_name(), 1)))
+    config = load_config(folder)
+    config.data_dir.mkdir()
+    path = config.data_dir / "keyspace.db"
+    where = ["--app", str(folder)]
+    async with BrokerClient(shared_broker.address) as client:
+        async with open_keyspace(str(path)) as keyspace:
+            await deploy(config, client, keyspace)
+        async with running_member(config, client, path, "w0", allocate=True) as running:
+            await eventually(lambda: all_primary(running.member, 1), TIMEOUT)
+            ends = await publish_lines(client, config, ["one two", "two three"])
+            (journal, end), = ends.items()
+            code, out, err = await _cli("stat", "shard-000", *where, "--read-through",
+                                        f"{journal}={end}", "-o", "json")
+            assert code == 0, err
+            answer = json.loads(out)
+            assert answer["shard"] == "shard-000" and answer["member"] == "local#w0"
+            assert answer["endpoint"] == f"grpc://127.0.0.1:{running.port}"
+            assert answer["read_through"][journal] >= end
+            assert answer["status"] == "PRIMARY" and answer["transactions"] >= 1
+
+            code, out, err = await _cli("stat", "shard-000", *where)
+            assert code == 0, err
+            assert out.splitlines()[0].split() == ["JOURNAL", "OFFSET"]
+            assert f"read       {journal}" in out
+            assert f"published  {config.name}/counts/part-000" in out
+            assert "shard-000: PRIMARY at local#w0" in err and "last commit" in err
+
+            code, out, err = await _cli("stat", "shard-000", *where, "--read-through",
+                                        f"{journal}={end + 10**6}", "--timeout", "0.5")
+            assert code == 1 and "did not read through the given offsets within 0.5s" in err
