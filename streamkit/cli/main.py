@@ -6,7 +6,11 @@ import click
 
 from streamkit.cli.broker import broker
 from streamkit.cli.journals import journals
+from streamkit.cli.new import new
 from streamkit.cli.publish import publish
+from streamkit.cli.query import query
+from streamkit.cli.run import run, serve
+from streamkit.cli.shards import shards
 
 
 @click.group()
@@ -17,7 +21,12 @@ def cli() -> None:
 
 cli.add_command(broker)
 cli.add_command(journals)
+cli.add_command(new)
 cli.add_command(publish)
+cli.add_command(query)
+cli.add_command(run)
+cli.add_command(serve)
+cli.add_command(shards)
 
 
 def main() -> None:

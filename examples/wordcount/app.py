@@ -1,0 +1,152 @@
+"""Wordcount: how many times has each word appeared in the lines published so far?
+
+Lines are partitioned by their `id`, so every shard counts the words of its
+own share of the lines. A transaction adds up its words in memory; when it
+finalizes, each touched word's count is read from the store, increased, written
+back, and published to the `wordcount/counts` topic as that shard's new
+running count. State and published updates commit together, exactly once.
+
+The total for a word is the sum over shards: `query` answers a shard's count,
+and `combine_answers` sums what every shard answered (`streamkit query`).
+Each store kind works; only the state access differs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError
+
+import streamkit
+
+
+class WordCount(streamkit.Application):
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()  # this transaction's words
+
+    def new_store(self, shard, fs):
+        store = super().new_store(shard, fs)
+        if isinstance(store, streamkit.SQLStore):
+            create_table(store.engine)
+        return store
+
+    def consume_message(self, shard, store, envelope, publisher) -> None:
+        self.counts.update(envelope.message["line"].split())
+
+    async def finalize_txn(self, shard, store, publisher) -> None:
+        totals = await counts_of(store).add(self.counts)
+        for word, total in totals.items():
+            publisher.publish("wordcount/counts", {"word": word, "shard": shard.id,
+                                                   "count": total})
+        self.counts.clear()
+
+    async def query(self, shard, store, request: dict[str, Any]) -> int:
+        word = request.get("word")
+        if not isinstance(word, str):
+            raise streamkit.QueryError('ask {"word": "..."}')
+        return await counts_of(store).get(word)
+
+    def combine_answers(self, answers: dict[str, Any]) -> int:
+        return sum(answers.values())
+
+
+class Counts:
+    """Per-word counts in a key/value store (RocksDB) or a JSON document."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def _get(self, word: str) -> int:
+        if isinstance(self.store, streamkit.JSONFileStore):
+            return self.store.state.get(word, 0)
+        return self.store.get(word, 0)
+
+    def _put(self, word: str, total: int) -> None:
+        if isinstance(self.store, streamkit.JSONFileStore):
+            self.store.state[word] = total
+        else:
+            self.store.put(word, total)
+
+    async def get(self, word: str) -> int:
+        return self._get(word)
+
+    async def add(self, deltas: Counter[str]) -> dict[str, int]:
+        """Add `deltas` to the counts; the new totals of the words touched."""
+        totals = {}
+        for word, n in deltas.items():
+            totals[word] = self._get(word) + n
+            self._put(word, totals[word])
+        return totals
+
+
+class SQLiteCounts(Counts):
+    """Counts in a table of the shard's SQLite database."""
+
+    def __init__(self, store: Any) -> None:
+        super().__init__(store)
+        store.db.execute("CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INT)")
+
+    def _get(self, word: str) -> int:
+        row = self.store.db.execute("SELECT n FROM counts WHERE word = ?", (word,)).fetchone()
+        return row[0] if row else 0
+
+    def _put(self, word: str, total: int) -> None:
+        self.store.db.execute("INSERT OR REPLACE INTO counts VALUES (?, ?)", (word, total))
+
+
+class SQLCounts(Counts):
+    """Counts in an external database, one table shared by the shards.
+
+    SQL runs on the store's thread (`store.run`), never on the event loop,
+    where waiting for another shard's lock would stall every shard.
+    """
+
+    async def get(self, word: str) -> int:
+        def select(conn: Any) -> int:
+            row = conn.execute(text("SELECT n FROM wordcount WHERE shard = :s AND word = :w"),
+                               {"s": self.store.shard_fqn, "w": word}).fetchone()
+            return row[0] if row else 0
+
+        return await self.store.run(select)
+
+    async def add(self, deltas: Counter[str]) -> dict[str, int]:
+        shard = self.store.shard_fqn
+
+        def upsert(conn: Any) -> dict[str, int]:
+            rows = conn.execute(text(
+                "INSERT INTO wordcount (shard, word, n) VALUES (:s, :w, :n)"
+                " ON CONFLICT (shard, word) DO UPDATE SET n = wordcount.n + excluded.n"
+                " RETURNING word, n"), [{"s": shard, "w": w, "n": n} for w, n in deltas.items()])
+            return dict(rows.all()) if rows.returns_rows else {}
+
+        if not deltas:
+            return {}
+        totals = await self.store.run(upsert)
+        if len(totals) != len(deltas):  # drivers without RETURNING for executemany
+            totals = {w: await self.get(w) for w in deltas}
+        return totals
+
+
+def create_table(engine: Any) -> None:
+    """Create the table once, in a transaction of its own (not a consumer transaction)."""
+    ddl = text("CREATE TABLE IF NOT EXISTS wordcount (shard TEXT, word TEXT, n INT,"
+               " PRIMARY KEY (shard, word))")
+    try:
+        with engine.begin() as conn:
+            conn.execute(ddl)
+    except IntegrityError:  # another process created it at the same moment
+        pass
+
+
+_KINDS = {"SQLiteStore": SQLiteCounts, "SQLStore": SQLCounts}
+_opened: dict[int, Counts] = {}
+
+
+def counts_of(store: Any) -> Counts:
+    """The Counts view of a shard's store (made once per store)."""
+    counts = _opened.get(id(store))
+    if counts is None or counts.store is not store:
+        counts = _opened[id(store)] = _KINDS.get(type(store).__name__, Counts)(store)
+    return counts

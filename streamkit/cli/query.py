@@ -1,0 +1,74 @@
+"""`streamkit query`: ask a running application's shards, where their primaries run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import click
+
+from streamkit.app.config import load_config
+from streamkit.app.resolver import Primary, Resolver
+from streamkit.cli.errors import DATA_ERROR, CliError, async_command
+from streamkit.keyspace import open_keyspace
+
+__all__ = ["query"]
+
+
+def _ask(primary: Primary, request: dict[str, Any]) -> Any:
+    url = f"{primary.http_url}/query/{primary.shard}"
+    body = json.dumps(request).encode()
+    req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        detail = err.read().decode(errors="replace").strip()
+        raise CliError(f"shard {primary.shard}: {detail or err.reason}",
+                       DATA_ERROR if err.code == 400 else 1) from None
+    except OSError as err:
+        raise CliError(f"shard {primary.shard}: cannot reach {url}: {err}") from None
+
+
+@click.command("query")
+@click.argument("app_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("request")
+@click.option("--key", default=None, help="Ask only the shard owning this key.")
+@click.option("--shard", default=None, help="Ask only this shard.")
+@click.option("--keyspace", default=None, help="KeySpace (default: .streamkit/keyspace.db).")
+@async_command()
+async def query(app_dir: Path, request: str, key: str | None, shard: str | None,
+                keyspace: str | None) -> None:
+    """Send REQUEST (a JSON object) to APP_DIR's shards and print the answer.
+
+    Without --key or --shard every shard is asked and the application's
+    `combine_answers` merges their answers.
+    """
+    try:
+        parsed = json.loads(request)
+    except ValueError as err:
+        raise CliError(f"REQUEST is not JSON: {err}", DATA_ERROR) from None
+    if not isinstance(parsed, dict):
+        raise CliError("REQUEST must be a JSON object, like '{\"word\": \"hello\"}'", DATA_ERROR)
+    config = load_config(app_dir)
+    app_class = config.load_application()
+    async with open_keyspace(keyspace or str(config.data_dir / "keyspace.db")) as ks:
+        resolver = Resolver(config, ks)
+        primaries = await resolver.primaries()
+        if key is not None:
+            shard = resolver.shard_of(key)
+        wanted = [shard] if shard is not None else config.shard_ids()
+        missing = [s for s in wanted if s not in primaries]
+        if missing:
+            raise CliError(f"no primary serves {', '.join(missing)}: is the app running "
+                           f"(streamkit run {app_dir})?")
+        answers = await asyncio.gather(*(asyncio.to_thread(_ask, primaries[s], parsed)
+                                         for s in wanted))
+    by_shard = dict(zip(wanted, answers, strict=True))
+    answer = by_shard[shard] if shard is not None else app_class().combine_answers(by_shard)
+    click.echo(json.dumps(answer, indent=None if isinstance(answer, int | float | str)
+                          else 2, default=str))

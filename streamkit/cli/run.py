@@ -1,0 +1,189 @@
+"""`streamkit run` and `streamkit serve`: running an application's shards.
+
+`run` is the one-machine experience: it starts the bundled broker (unless
+`--broker` names one), creates the app's journals and shard specs, runs the
+shards in this process (plus `--workers - 1` worker processes that share them
+through the KeySpace), and shows their live status. Ctrl-C stops gracefully:
+every primary commits what it consumed, and running again resumes there.
+
+`serve` is one member process alone, for running an app's shards across
+machines against a shared broker and KeySpace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import click
+
+from streamkit.app.config import AppConfig, load_config
+from streamkit.app.member import Member, MemberOptions, deploy
+from streamkit.app.store_kinds import STORE_KINDS
+from streamkit.cli.children import Child, port_in_use, start_child
+from streamkit.cli.errors import DATA_ERROR, CliError, async_command
+from streamkit.cli.logs import configure_logging
+from streamkit.client import BrokerClient
+from streamkit.keyspace import open_keyspace
+from streamkit.keyspace.keyspace import KeySpace
+
+__all__ = ["run", "serve"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BROKER_PORT = 8080
+
+
+def _app_config(app_dir: Path, shards: int | None, standbys: int | None,
+                store: str | None) -> tuple[AppConfig, type]:
+    """The app's streamkit.yaml with the command line's overrides, and its Application."""
+    config = load_config(app_dir)
+    overrides = {k: v for k, v in (("shards", shards), ("standbys", standbys)) if v is not None}
+    if overrides:
+        config = AppConfig.parse({**config.model_dump(exclude_unset=True), **overrides},
+                                 config.config_file, config.app_dir)
+    app_class = config.load_application()
+    config = config.with_store(store) if store else config.for_application(app_class)
+    return config, app_class
+
+
+def _keyspace_url(config: AppConfig, keyspace: str | None) -> str:
+    return keyspace or str(config.data_dir / "keyspace.db")
+
+
+@contextlib.asynccontextmanager
+async def _member(config: AppConfig, app_class: type, client: BrokerClient, keyspace: KeySpace,
+                  *, suffix: str, broker_file_root: Path | None) -> AsyncIterator[Member]:
+    """A member with its Shard API and HTTP endpoints, stopped gracefully on exit."""
+    from streamkit.app.shard_api import serve_member_apis
+
+    options = MemberOptions(work_dir=config.data_dir / "shards" / suffix, suffix=suffix,
+                            file_root=broker_file_root)
+    member = Member(config, app_class, client, keyspace, options)
+    grpc_server, http_runner, port = await serve_member_apis(member)
+    options.endpoint = f"grpc://127.0.0.1:{port}"
+    try:
+        await member.start()
+        yield member
+    finally:
+        await member.stop()
+        await grpc_server.stop(1.0)
+        await http_runner.cleanup()
+
+
+async def _until_signalled() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def _start_broker(config: AppConfig, port: int, keyspace_url: str) -> Child:
+    if port_in_use(port) or port_in_use(port + 1):
+        raise CliError(f"port {port} or {port + 1} is in use: is a broker already running? "
+                       f"Pass --broker 127.0.0.1:{port} to use it, or --port to pick others",
+                       DATA_ERROR)
+    data = config.data_dir / "broker"
+    child = start_child("the bundled broker", [
+        "broker", "serve", "--data-dir", str(data), "--port", str(port),
+        "--keyspace", keyspace_url], config.data_dir / "broker.log")
+    child.wait_listening(port)
+    return child
+
+
+@click.command("run")
+@click.argument("app_dir", default=".", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--shards", type=click.IntRange(1, 4096), default=None,
+              help="Number of shards (default: streamkit.yaml's).")
+@click.option("--broker", default=None, metavar="HOST:PORT",
+              help="Use this broker (any that speaks the Journal protocol) instead of "
+                   "starting the bundled one.")
+@click.option("--port", type=click.IntRange(1, 65534), default=DEFAULT_BROKER_PORT,
+              show_default=True, help="Port of the bundled broker (HTTP on the next one).")
+@click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Member processes on this machine sharing the shards.")
+@click.option("--standbys", type=click.IntRange(0, 3), default=None,
+              help="Hot standbys per shard (default: streamkit.yaml's).")
+@click.option("--store", type=click.Choice(STORE_KINDS), default=None,
+              help="Store kind, overriding streamkit.yaml.")
+@click.option("--keyspace", default=None, help="KeySpace (default: .streamkit/keyspace.db).")
+@click.option("--status/--no-status", default=None,
+              help="Show the live status table (default: when stdout is a terminal).")
+@click.option("--log-level", default="WARNING", show_default=True,
+              envvar="STREAMKIT_LOG_LEVEL")
+@async_command(interrupt_exit=0)
+async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, workers: int,
+              standbys: int | None, store: str | None, keyspace: str | None,
+              status: bool | None, log_level: str) -> None:
+    """Run APP_DIR's shards (default: the current folder) until Ctrl-C."""
+    from streamkit.cli.run_status import StatusView
+
+    configure_logging(log_level)
+    config, app_class = _app_config(app_dir, shards, standbys, store)
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    keyspace_url = _keyspace_url(config, keyspace)
+    bundled: Child | None = None
+    workers_: list[Child] = []
+    file_root = None
+    try:
+        if broker is None:
+            bundled = _start_broker(config, port, keyspace_url)
+            broker = f"127.0.0.1:{port}"
+            file_root = config.data_dir / "broker" / "fragments"
+        async with BrokerClient(broker) as client, open_keyspace(keyspace_url) as ks:
+            await deploy(config, client, ks)
+            for index in range(1, workers):
+                args = ["serve", str(config.app_dir), "--broker", broker, "--keyspace",
+                        keyspace_url, "--suffix", f"worker-{index}", "--log-level", log_level]
+                args += ["--store", config.store_kind]
+                if file_root is not None:
+                    args += ["--file-root", str(file_root)]
+                workers_.append(start_child(f"worker {index}", args,
+                                            config.data_dir / f"worker-{index}.log"))
+            async with _member(config, app_class, client, ks, suffix="worker-0",
+                               broker_file_root=file_root):
+                view = StatusView(config, client, ks, live=status)
+                viewing = asyncio.create_task(view.run())
+                try:
+                    await _until_signalled()
+                finally:
+                    viewing.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await viewing
+                    click.echo("stopping: committing the shards' last transactions...",
+                               err=True)
+                    for child in workers_:  # they stop while this member stops too
+                        child.proc.send_signal(signal.SIGTERM)
+            for child in workers_:
+                await asyncio.to_thread(child.stop)
+    finally:
+        for child in [*workers_, *([bundled] if bundled else [])]:
+            await asyncio.to_thread(child.stop)
+
+
+@click.command("serve")
+@click.argument("app_dir", default=".", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--broker", required=True, metavar="HOST:PORT", envvar="STREAMKIT_BROKER")
+@click.option("--keyspace", default=None, help="KeySpace (default: .streamkit/keyspace.db).")
+@click.option("--suffix", default=None, help="This member's name (default: host-pid).")
+@click.option("--store", type=click.Choice(STORE_KINDS), default=None)
+@click.option("--file-root", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="The broker's file:// fragment root, read directly when on this machine.")
+@click.option("--log-level", default="INFO", show_default=True, envvar="STREAMKIT_LOG_LEVEL")
+@async_command(interrupt_exit=0)
+async def serve(app_dir: Path, broker: str, keyspace: str | None, suffix: str | None,
+                store: str | None, file_root: Path | None, log_level: str) -> None:
+    """Run one member process of APP_DIR's shards until SIGTERM or Ctrl-C."""
+    configure_logging(log_level)
+    config, app_class = _app_config(app_dir, None, None, store)
+    suffix = suffix or f"{os.uname().nodename}-{os.getpid()}"
+    async with BrokerClient(broker) as client, open_keyspace(
+            _keyspace_url(config, keyspace)) as ks, _member(
+            config, app_class, client, ks, suffix=suffix, broker_file_root=file_root):
+        await _until_signalled()

@@ -1,0 +1,160 @@
+"""The live status of `streamkit run`: per shard, who serves it and how far it got.
+
+Assignments come from the KeySpace; progress from each member's HTTP
+`/status`; lag is the sources' write heads minus what the shard read through.
+On a terminal it is a table redrawn every second; otherwise a summary line
+goes to stderr every ten seconds, so logs of long runs stay readable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+
+from streamkit.app.assignment import parse_assignment_key
+from streamkit.app.config import AppConfig
+from streamkit.app.resolver import Resolver
+from streamkit.client import BrokerClient, write_head
+from streamkit.keyspace.keyspace import KeySpace
+from streamkit.protocol import consumer_pb
+
+__all__ = ["ShardRow", "StatusView", "collect"]
+
+Code = consumer_pb.ReplicaStatus.Code
+
+
+@dataclass
+class ShardRow:
+    shard: str
+    state: str = "UNASSIGNED"
+    member: str = ""
+    standbys: int = 0
+    read_through: int = 0
+    lag: int = 0
+    messages: int = 0
+    rate: float = 0.0
+    last_commit: float | None = None
+    errors: list[str] = field(default_factory=list)
+
+
+def _http_status(endpoint: str) -> list[dict[str, Any]]:
+    """A member's /status (its HTTP port is its gRPC port + 1)."""
+    host, _, port = endpoint.removeprefix("grpc://").rpartition(":")
+    try:
+        with urllib.request.urlopen(f"http://{host}:{int(port) + 1}/status", timeout=2) as r:
+            body = json.loads(r.read())
+    except (OSError, ValueError):
+        return []
+    return body if isinstance(body, list) else body.get("shards", [])
+
+
+async def collect(config: AppConfig, client: BrokerClient, keyspace: KeySpace
+                  ) -> list[ShardRow]:
+    """One snapshot of every shard's status."""
+    root = config.keyspace_root
+    rows = {shard_id: ShardRow(shard_id) for shard_id in config.shard_ids()}
+    resolver = Resolver(config, keyspace)
+    for primary in (await resolver.primaries()).values():
+        if (row := rows.get(primary.shard)) is not None:
+            row.state = Code.Name(primary.status.code)
+            row.member = primary.member
+            row.errors = list(primary.status.errors)
+    assignments, _ = await keyspace.range(f"{root}/assign/")
+    for kv in assignments:
+        parsed = parse_assignment_key(root, kv.key)
+        if parsed is not None and parsed[0] in rows and parsed[2] > 0:
+            rows[parsed[0]].standbys += 1
+    progress = {}
+    for endpoint in set((await resolver.members()).values()):
+        for entry in await asyncio.to_thread(_http_status, endpoint):
+            progress[entry.get("id")] = entry
+    heads = {}
+    for index, shard_id in enumerate(config.shard_ids()):
+        row = rows[shard_id]
+        entry = progress.get(shard_id)
+        if entry is None:
+            continue
+        read_through = entry.get("read_through", {})
+        row.read_through = sum(read_through.values())
+        row.messages = entry.get("messages", 0)
+        row.last_commit = entry.get("last_commit")
+        lag = 0
+        for journal in config.source_journals(index):
+            if journal not in heads:
+                heads[journal] = await write_head(client, journal)
+            lag += max(0, heads[journal] - read_through.get(journal, 0))
+        row.lag = lag
+    return list(rows.values())
+
+
+class StatusView:
+    """Redraws (or logs) the shards' status until cancelled."""
+
+    def __init__(self, config: AppConfig, client: BrokerClient, keyspace: KeySpace,
+                 live: bool | None = None) -> None:
+        self.config, self.client, self.keyspace = config, client, keyspace
+        self.live = sys.stdout.isatty() if live is None else live
+        self._last: dict[str, tuple[float, int]] = {}
+
+    async def run(self) -> None:
+        if self.live:
+            await self._run_live()
+        else:
+            while True:
+                rows = await self._snapshot()
+                click.echo(self._summary(rows), err=True)
+                await asyncio.sleep(10)
+
+    async def _snapshot(self) -> list[ShardRow]:
+        rows = await collect(self.config, self.client, self.keyspace)
+        now = time.monotonic()
+        for row in rows:
+            before = self._last.get(row.shard)
+            if before is not None and now > before[0]:
+                row.rate = max(0.0, (row.messages - before[1]) / (now - before[0]))
+            self._last[row.shard] = (now, row.messages)
+        return rows
+
+    def _summary(self, rows: list[ShardRow]) -> str:
+        states: dict[str, int] = {}
+        for row in rows:
+            states[row.state] = states.get(row.state, 0) + 1
+        failed = [f"{r.shard}: {r.errors[0]}" for r in rows if r.errors]
+        counts = ", ".join(f"{n} {state.lower()}" for state, n in sorted(states.items()))
+        text = (f"streamkit: {self.config.name}: {counts}; "
+                f"{sum(r.rate for r in rows):,.0f} msgs/s, lag {sum(r.lag for r in rows):,} B")
+        return "\n".join([text, *(f"streamkit: failed shard {f}" for f in failed)])
+
+    async def _run_live(self) -> None:
+        from rich.live import Live
+
+        with Live(self._table([]), refresh_per_second=2, transient=False) as live:
+            while True:
+                live.update(self._table(await self._snapshot()))
+                await asyncio.sleep(1)
+
+    def _table(self, rows: list[ShardRow]) -> Any:
+        from rich.table import Table
+
+        table = Table(title=f"{self.config.name} — Ctrl-C stops after a final commit")
+        for column in ("shard", "state", "member", "standbys", "read through", "lag",
+                       "msgs/s", "last commit"):
+            table.add_column(column, justify="left" if column in ("shard", "state", "member")
+                             else "right")
+        now = time.time()
+        for row in rows:
+            age = f"{now - row.last_commit:.1f}s ago" if row.last_commit else "-"
+            state = f"[red]{row.state}[/red]" if row.errors else row.state
+            table.add_row(row.shard, state, row.member, str(row.standbys),
+                          f"{row.read_through:,}", f"{row.lag:,}", f"{row.rate:,.0f}", age)
+        for row in rows:
+            if row.errors:
+                table.caption = f"{row.shard}: {row.errors[0]}"
+        return table
