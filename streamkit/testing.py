@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from streamkit.app.application import Application, QueryError
-from streamkit.app.config import AppConfig, load_config
+from streamkit.app.config import AppConfig, StoreConfig, load_config
 from streamkit.app.member import Member, MemberOptions, deploy
 from streamkit.app.replica import Replica
 from streamkit.broker.server import Broker, BrokerConfig
@@ -56,8 +56,12 @@ class AppHarness:
         config = load_config(self.app_dir)
         self.app_class = app_class or config.load_application()
         config = config.with_store(store) if store else config.for_application(self.app_class)
-        self.config: AppConfig = config
         self._tmp = Path(tempfile.mkdtemp(prefix="streamkit-harness-"))
+        if config.store_kind == "sql" and config.store.url is None:
+            # The default database lives in the app's folder: keep tests out of it.
+            url = f"sqlite:///{self._tmp / 'store.sqlite'}"
+            config = config.model_copy(update={"store": StoreConfig(kind="sql", url=url)})
+        self.config: AppConfig = config
         self.broker: Broker | None = None
         self.client: BrokerClient | None = None
         self.member: Member | None = None

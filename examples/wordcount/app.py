@@ -53,21 +53,16 @@ class WordCount(streamkit.Application):
 
 
 class Counts:
-    """Per-word counts in a key/value store (RocksDB) or a JSON document."""
+    """Per-word counts in a key/value store (RocksDB)."""
 
     def __init__(self, store: Any) -> None:
         self.store = store
 
     def _get(self, word: str) -> int:
-        if isinstance(self.store, streamkit.JSONFileStore):
-            return self.store.state.get(word, 0)
         return self.store.get(word, 0)
 
     def _put(self, word: str, total: int) -> None:
-        if isinstance(self.store, streamkit.JSONFileStore):
-            self.store.state[word] = total
-        else:
-            self.store.put(word, total)
+        self.store.put(word, total)
 
     async def get(self, word: str) -> int:
         return self._get(word)
@@ -79,6 +74,16 @@ class Counts:
             totals[word] = self._get(word) + n
             self._put(word, totals[word])
         return totals
+
+
+class JSONCounts(Counts):
+    """Counts as a JSON document: {word: count}."""
+
+    def _get(self, word: str) -> int:
+        return self.store.state.get(word, 0)
+
+    def _put(self, word: str, total: int) -> None:
+        self.store.state[word] = total
 
 
 class SQLiteCounts(Counts):
@@ -140,7 +145,7 @@ def create_table(engine: Any) -> None:
         pass
 
 
-_KINDS = {"SQLiteStore": SQLiteCounts, "SQLStore": SQLCounts}
+_KINDS = {"JSONFileStore": JSONCounts, "SQLiteStore": SQLiteCounts, "SQLStore": SQLCounts}
 _opened: dict[int, Counts] = {}
 
 
