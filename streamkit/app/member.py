@@ -149,11 +149,27 @@ class Member:
         """Keep the Service in line with this member's assignments, and report statuses."""
         allocator = self.allocator
         assert allocator is not None
+        seen: dict[str, tuple[int, int]] = {}  # shard -> (slot, create revision) last applied
         while True:
             state = allocator.state
             mine = {a.item: a for a in allocator.my_assignments() if a.item in state.items}
             changed = self.service.changed
-            await self.service.assign(state.items, {item: a.slot for item, a in mine.items()})
+            slots = {item: a.slot for item, a in mine.items()}
+            # An assignment deleted and made again (`streamkit shards unassign` of a FAILED
+            # shard) may come and go between two looks: the same slot under a new key
+            # revision still means a fresh replica.
+            renewed = {
+                item
+                for item, a in mine.items()
+                if seen.get(item, (a.slot, a.create_revision)) != (a.slot, a.create_revision)
+                and seen[item][0] == a.slot
+            }
+            if renewed:
+                await self.service.assign(
+                    state.items, {i: s for i, s in slots.items() if i not in renewed}
+                )
+            await self.service.assign(state.items, slots)
+            seen = {item: (a.slot, a.create_revision) for item, a in mine.items()}
             await self._report(mine)
             waits = [
                 asyncio.ensure_future(allocator.wait_for_change(state.revision)),

@@ -227,7 +227,8 @@ class Replica:
         ring = shard.spec.ring_buffer_size or 8192
         sequencer = Sequencer(producer_states(cp), ring, offsets=offsets)
         types = {journal: self.app.new_message(journal) for journal in offsets}
-        source = SourceInput(shard.client, sequencer, offsets, types, file_root=runtime.file_root)
+        source = SourceInput(shard.client, sequencer, offsets, types, file_root=runtime.file_root,
+                             shard_id=shard.id)
         publisher = ShardPublisher(Publisher(shard.appends), shard.output)
         self.loop = TransactionLoop(shard, self.app, store, publisher, source)
         self._set_status(Code.PRIMARY)

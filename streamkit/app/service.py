@@ -43,8 +43,12 @@ class Service:
         for shard_id, slot in slots.items():
             spec = specs[shard_id]
             replica = self.replicas.get(shard_id)
-            if replica is not None and replica.shard.spec != spec and slot != 0:
-                await self._drop(shard_id)  # a changed spec restarts a standby from scratch
+            if replica is not None and slot != 0 and (
+                replica.shard.spec != spec or self._slots.get(shard_id, 0) == 0
+            ):
+                # A changed spec restarts a standby from scratch; so does a primary
+                # demoted to standby (a hand-off): it stops and catches up anew.
+                await self._drop(shard_id)
                 replica = None
             if replica is None:
                 replica = self.replicas[shard_id] = Replica(self.runtime, spec)

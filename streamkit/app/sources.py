@@ -14,9 +14,11 @@ import collections
 from collections.abc import Mapping
 from pathlib import Path
 
+from streamkit.app.metrics import LAG
 from streamkit.client import BrokerClient
-from streamkit.message.message import Envelope
-from streamkit.message.reader import ReadUncommitted
+from streamkit.message.framing import FrameDecoder, Framing
+from streamkit.message.message import Envelope, MessageLike
+from streamkit.message.reader import ReadUncommitted, journal_framing
 from streamkit.message.sequencer import QueueOutcome, Sequencer
 
 __all__ = ["SourceInput"]
@@ -36,11 +38,13 @@ class SourceInput:
         *,
         max_batches: int = 64,
         file_root: Path | None = None,
+        shard_id: str = "",
     ) -> None:
         self.client = client
         self.sequencer = sequencer
         self._types = dict(message_types)
         self._file_root = file_root
+        self._shard_id = shard_id
         self._queue: collections.deque[list[Envelope]] = collections.deque()
         self._max_batches = max_batches
         self._ready = asyncio.Event()
@@ -138,10 +142,15 @@ class SourceInput:
         )
 
     async def _read(self, reader: ReadUncommitted) -> None:
+        lag = LAG.labels(self._shard_id, reader.journal)
         try:
+            framing = reader.framing or await journal_framing(self.client, reader.journal)
+            reader.framing = _Strict(framing)
             while True:
                 batch = await reader.read_batch()
+                lag.set(max(0, reader.write_head - reader.offset))
                 if not batch:
+                    await asyncio.sleep(0.01)  # the stream ended: the retry reader reopens
                     continue
                 while len(self._queue) >= self._max_batches:
                     self._room.clear()
@@ -153,3 +162,38 @@ class SourceInput:
         except BaseException as error:
             self._error = error
             self._ready.set()
+
+
+class _Strict:
+    """A framing whose decoders raise the first frame they could not decode.
+
+    Readers in general log a bad frame and skip it; a shard must not: its
+    commits would silently leave the message out. It fails instead, with the
+    error naming the journal and the frame's offset (as Gazette's shards fail
+    on a message they can't unmarshal).
+    """
+
+    def __init__(self, framing: Framing) -> None:
+        self.framing = framing
+        self.content_type = framing.content_type
+
+    def encode(self, message: MessageLike, out: bytearray) -> None:
+        self.framing.encode(message, out)
+
+    def new_decoder(self, journal: str, message_type: type) -> FrameDecoder:
+        return _StrictDecoder(self.framing.new_decoder(journal, message_type))
+
+
+class _StrictDecoder:
+    def __init__(self, decoder: FrameDecoder) -> None:
+        self.decoder = decoder
+        self.errors = decoder.errors
+
+    def feed(self, chunk: bytes | memoryview, offset: int) -> list[Envelope]:
+        batch = self.decoder.feed(chunk, offset)
+        if self.decoder.errors:
+            raise self.decoder.errors[0]
+        return batch
+
+    def reset(self, offset: int) -> None:
+        self.decoder.reset(offset)

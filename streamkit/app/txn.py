@@ -48,6 +48,9 @@ __all__ = ["TransactionLoop", "reappend_ack_intents"]
 log = logging.getLogger(__name__)
 
 _YIELD_EVERY = 256  # messages consumed between yields to the event loop (reads, commits)
+# Messages consumed between looks at the clock and at a stop request: often enough that a
+# slow application's transactions still end near max_duration.
+_CHECK_EVERY = 16
 
 
 def _hook(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
@@ -125,11 +128,11 @@ class TransactionLoop:
         source = self.source
         while True:
             self._check_previous()
+            if stopping.is_set():  # input may never run out: don't start another transaction
+                return None
             env = source.poll()
             if env is not None:
                 return env
-            if stopping.is_set():
-                return None
             if not source.ready:
                 waits: list[Awaitable[Any]] = [source.wait_ready(), stopping.wait()]
                 if self._previous is not None:
@@ -155,9 +158,10 @@ class TransactionLoop:
                     await consume(shard, store, env, publisher)
                 else:
                     consume(shard, store, env, publisher)
-                if count % _YIELD_EVERY == 0:
-                    await asyncio.sleep(0)
-                    if loop.time() >= max_at:
+                if count % _CHECK_EVERY == 0:
+                    if count % _YIELD_EVERY == 0:
+                        await asyncio.sleep(0)
+                    if loop.time() >= max_at or stopping.is_set():
                         break
                 env = poll()
                 continue

@@ -76,6 +76,25 @@ async def _member(config: AppConfig, app_class: type, client: BrokerClient, keys
         await http_runner.cleanup()
 
 
+async def _wait_for_members(config: AppConfig, keyspace: KeySpace, workers: list[Child],
+                            timeout: float = 20.0) -> None:
+    """Until the worker processes joined, so the first assignment spreads shards over all
+    members instead of moving half of them (and their recovery) a moment later."""
+    prefix = f"{config.keyspace_root}/members/"
+    deadline = asyncio.get_running_loop().time() + timeout
+    while workers and asyncio.get_running_loop().time() < deadline:
+        kvs, _ = await keyspace.range(prefix)
+        joined = {kv.key.removeprefix(prefix) for kv in kvs}
+        if all(any(name.endswith(f"#{w.name.replace(' ', '-')}") for name in joined)
+               for w in workers):
+            return
+        for worker in workers:
+            if worker.proc.poll() is not None:
+                raise CliError(f"{worker.name} exited with code {worker.proc.returncode}:\n"
+                               f"{worker.tail()}")
+        await asyncio.sleep(0.1)
+
+
 async def _until_signalled() -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -146,6 +165,7 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
                     args += ["--file-root", str(file_root)]
                 workers_.append(start_child(f"worker {index}", args,
                                             config.data_dir / f"worker-{index}.log"))
+            await _wait_for_members(config, ks, workers_)
             async with _member(config, app_class, client, ks, suffix="worker-0",
                                broker_file_root=file_root):
                 view = StatusView(config, client, ks, live=status)

@@ -106,6 +106,11 @@ class ReadUncommitted(AsyncClosing):
         return self._decoder
 
     @property
+    def write_head(self) -> int:
+        """The journal's write head as of the broker's last metadata response (0 if none yet)."""
+        return self._reader.response.write_head
+
+    @property
     def buffered(self) -> int:
         """Envelopes decoded but not yet returned: the next ones need no broker read."""
         return len(self._batch) - self._pos

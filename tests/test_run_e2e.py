@@ -1,0 +1,342 @@
+"""The consumer runtime as users run it: `streamkit run` / `serve` processes, killed and restarted.
+
+Every test runs a real broker process and the wordcount example (copied into
+the test's folder) as separate processes, and judges only what a user could
+observe: the KeySpace's assignments, the members' Shard and HTTP APIs, the
+committed output topic, exit codes and error messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+from streamkit.app.config import load_config
+from streamkit.app.member import deploy
+from tests.brokerproc import BrokerProcess
+from tests.e2e import (
+    AppView,
+    Code,
+    Feeder,
+    cli,
+    copy_wordcount,
+    eventually,
+    expected_counts,
+    run_app,
+    serve_app,
+    totals_of_updates,
+)
+
+
+async def _check_exact(view: AppView, ids: range) -> None:
+    """Counts are exact both as queried from the primaries and in the committed output."""
+    expected = expected_counts(ids)
+    serving = await view.wait_caught_up(timeout=60)
+    assert await view.query_counts(serving) == expected
+    assert totals_of_updates(await view.output_updates()) == expected
+
+
+async def test_sigkill_chaos_keeps_counts_exact(broker_proc: BrokerProcess,
+                                                tmp_path: Path) -> None:
+    """`streamkit run` SIGKILLed at random moments (serving, or still recovering) while input
+    keeps arriving: after each restart it takes over, and in the end every line is counted
+    exactly once and every count update is in the output exactly once."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    app = copy_wordcount(tmp_path / "wordcount")
+    address = broker_proc.address
+    feeder = Feeder(app, address, tmp_path / "feeder.log", batch=20, interval=0.05)
+    run = run_app(app, address, tmp_path / "run-00.log")
+    kills = 10
+    try:
+        async with AppView(app, address) as view:
+            await view.wait_serving(timeout=60)
+            feeder.start()
+            for k in range(1, kills + 1):
+                started = time.monotonic()
+                dice = rng.random()
+                if dice < 0.25:  # still starting up or recovering
+                    await asyncio.sleep(rng.uniform(0.4, 1.8))
+                    moment = "early"
+                else:
+                    await view.wait_serving(timeout=30)
+                    await asyncio.sleep(rng.uniform(0.0, 1.0))
+                    moment = "serving"
+                    if dice < 0.45:  # in the middle of a graceful stop
+                        assert run.proc is not None
+                        run.proc.send_signal(signal.SIGINT)
+                        await asyncio.sleep(rng.uniform(0.0, 0.4))
+                        moment = "stopping"
+                run.kill()
+                print(f"kill {k} ({moment}) {time.monotonic() - started:.2f}s after start, "
+                      f"{feeder.acked()} lines acked")
+                run = run_app(app, address, tmp_path / f"run-{k:02d}.log")
+            assert feeder.proc.alive, feeder.proc.log()
+            ids = feeder.finish()
+            assert len(ids) > 500, "the feeder should have run through the kills"
+            await _check_exact(view, ids)
+    finally:
+        feeder.proc.stop()
+        run.stop()
+
+
+async def test_hot_standby_takes_over_within_two_seconds(broker_proc: BrokerProcess,
+                                                         tmp_path: Path) -> None:
+    """Two `streamkit serve` members, one hot standby per shard: SIGKILL the member holding
+    some primaries, and its standbys on the other member serve those shards within 2 s."""
+    app = copy_wordcount(tmp_path / "wordcount", standbys=1)
+    address = broker_proc.address
+    members = {}
+    try:
+        async with AppView(app, address) as view:
+            await view.state()  # opens (creates) the KeySpace
+            await deploy(view.config, view.client, view.keyspace)
+            for name in ("a", "b"):
+                members[name] = serve_app(app, address, name, tmp_path / f"serve-{name}.log")
+            await eventually(lambda: _standing_by(view), 60, "a PRIMARY and a STANDBY per shard")
+            first = Feeder(app, address, tmp_path / "feed-1.log", count=1000, interval=0).start()
+            ids = first.finish()
+            await _check_exact(view, ids)
+
+            state = await view.state()
+            by_member: dict[str, list[str]] = {}
+            for shard in view.config.shard_ids():
+                primary = state.primary_of(shard)
+                assert primary is not None
+                by_member.setdefault(primary.suffix, []).append(shard)
+            victim = max(by_member, key=lambda m: len(by_member[m]))
+            survivor = "b" if victim == "a" else "a"
+            moved = by_member[victim]
+            killed_at = time.monotonic()
+            members[victim].kill()
+            taken = await eventually(lambda: _served_by(view, moved, survivor), 10,
+                                     f"{survivor} to serve {moved}", interval=0.01)
+            failover = time.monotonic() - killed_at
+            print(f"failover of {len(moved)} shard(s) from {victim} to {survivor}: "
+                  f"{failover:.2f}s")
+            assert failover < 2.0, f"failover took {failover:.2f}s"
+            assert set(taken) == set(moved)
+
+            second = Feeder(app, address, tmp_path / "feed-2.log", start=1000, count=1000,
+                            interval=0).start()
+            more = second.finish()
+            await _check_exact(view, range(0, more.stop))
+
+            # The killed member comes back: it catches up as a standby, primaries are handed
+            # back to it until both hold half, and the counts stay exact through hand-offs.
+            members[victim] = serve_app(app, address, victim,
+                                        tmp_path / f"serve-{victim}-again.log")
+            await eventually(lambda: _balanced(view), 60, "primaries spread over both members")
+            third = Feeder(app, address, tmp_path / "feed-3.log", start=2000, count=1000,
+                           interval=0).start()
+            await _check_exact(view, range(0, third.finish().stop))
+    finally:
+        for proc in members.values():
+            proc.stop()
+
+
+async def _standing_by(view: AppView) -> bool:
+    """Every shard has a PRIMARY and a STANDBY, on different live members."""
+    if await view.serving() is None:
+        return False
+    state = await view.state()
+    for shard in view.config.shard_ids():
+        codes = sorted(a.code for a in state.assignments_of(shard))
+        if codes != sorted([Code.PRIMARY, Code.STANDBY]):
+            return False
+    return True
+
+
+async def _balanced(view: AppView) -> bool:
+    """Standing by, and each of the two members is primary of half the shards."""
+    if not await _standing_by(view):
+        return False
+    state = await view.state()
+    primaries = Counter(state.primary_of(s).suffix for s in view.config.shard_ids())
+    return sorted(primaries.values()) == [4, 4]
+
+
+async def _served_by(view: AppView, shards: list[str], member: str) -> list[str] | None:
+    """`shards`, once each is PRIMARY at `member` and answers Stat and a query there."""
+    state = await view.state()
+    endpoint = ""
+    for shard in shards:
+        primary = state.primary_of(shard)
+        if primary is None or primary.suffix != member or primary.code != Code.PRIMARY:
+            return None
+        endpoint = view.endpoint_of(state, primary.member)
+    try:
+        await asyncio.gather(*(view.stat(endpoint, shard, timeout=1.0) for shard in shards))
+        await view.query_counts({shard: endpoint for shard in shards}, ["w0"])
+    except Exception:
+        return None
+    return shards
+
+
+async def test_interrupt_commits_and_run_resumes(broker_proc: BrokerProcess,
+                                                 tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) with a backlog of input: `streamkit run` ends its transactions, commits
+    what it consumed and exits 0 promptly, leaving no transaction open in the output; run
+    again, it resumes where it stopped."""
+    app = copy_wordcount(tmp_path / "wordcount")
+    _app_variant(app, "Slow", SLOW)  # a backlog builds up quickly
+    address = broker_proc.address
+    run = run_app(app, address, tmp_path / "run-1.log")
+    try:
+        async with AppView(app, address) as view:
+            await view.wait_serving(timeout=60)
+            ids = Feeder(app, address, tmp_path / "feed-1.log", count=400,
+                         interval=0).start().finish()
+            await _check_exact(view, ids)
+            more = Feeder(app, address, tmp_path / "feed-2.log", start=400, count=3000,
+                          batch=500, interval=0).start().finish()
+            stopping = time.monotonic()
+            code = await asyncio.to_thread(run.signal, signal.SIGINT)
+            stopped = time.monotonic() - stopping
+            print(f"stopped in {stopped:.2f}s")
+            assert code == 0, run.log()
+            assert "committing the shards' last transactions" in run.text()
+            assert stopped < 2.5, "the stop should not wait for the backlog to be consumed"
+            committed = await view.output_updates()
+            published = [m for m in await view.output_messages_uncommitted() if "word" in m]
+            assert len(published) == len(committed), "a transaction was left unacknowledged"
+            assert totals_of_updates(committed) != expected_counts(range(more.stop)), \
+                "the stop should have come before the shards consumed the backlog"
+
+            run = run_app(app, address, tmp_path / "run-2.log")
+            await _check_exact(view, range(more.stop))
+            # Updates after the restart continue from the committed counts (no update is
+            # repeated: _check_exact asserts each (shard, word)'s counts strictly increase).
+            assert len(await view.output_updates()) > len(committed)
+    finally:
+        run.stop()
+
+
+SLOW = """
+class Slow(WordCount):
+    async def consume_message(self, shard, store, envelope, publisher) -> None:
+        await asyncio.sleep(0.005)
+        super().consume_message(shard, store, envelope, publisher)
+"""
+
+POISONED = """
+class Poisoned(WordCount):
+    def consume_message(self, shard, store, envelope, publisher) -> None:
+        if "poison" in envelope.message["line"]:
+            raise ValueError(f"cannot count line {envelope.message['id']}")
+        super().consume_message(shard, store, envelope, publisher)
+"""
+
+
+def _app_variant(app: Path, name: str, source: str) -> None:
+    """Make the app folder run class `name` (defined by `source`, a WordCount subclass)."""
+    (app / "app.py").write_text((app / "app.py").read_text() + "\nimport asyncio\n\n" + source)
+    config = app / "streamkit.yaml"
+    config.write_text(config.read_text().replace("app:WordCount", f"app:{name}"))
+
+
+async def test_bad_input_fails_only_its_shard(broker_proc: BrokerProcess,
+                                              tmp_path: Path) -> None:
+    """A source message that doesn't decode, and one the application raises on: each fails
+    its own shard with an error naming what went wrong, and the other shards keep counting."""
+    app = copy_wordcount(tmp_path / "wordcount")
+    _app_variant(app, "Poisoned", POISONED)
+    address = broker_proc.address
+    config = load_config(app)
+    garbage_journal = config.source_journals(3)[0]  # shard-003's
+    run = run_app(app, address, tmp_path / "run.log")
+    try:
+        async with AppView(app, address) as view:
+            await view.wait_serving(timeout=60)
+            # Some good lines first, then garbage in shard-003's journal and a poisoned
+            # line in shard-005's, then more good lines.
+            Feeder(app, address, tmp_path / "feed-1.log", count=400, interval=0).start().finish()
+            garbage_at = (await view.heads())[garbage_journal]
+            done = cli("journals", "append", garbage_journal, "--broker", address,
+                       input_text="not json\n")
+            assert done.returncode == 0, done.stderr
+            poison = next(i for i in range(10_000, 20_000)
+                          if view.shard_of_id(i) == "shard-005")
+            await view.publish_line(poison, "a poison pill")
+            Feeder(app, address, tmp_path / "feed-2.log", start=400, count=400,
+                   interval=0).start().finish()
+
+            failed = await eventually(lambda: _failed(view), 30, "two FAILED shards")
+            assert set(failed) == {"shard-003", "shard-005"}, failed
+            assert garbage_journal in failed["shard-003"], failed
+            assert f"offset {garbage_at}" in failed["shard-003"], failed
+            assert f"cannot count line {poison}" in failed["shard-005"], failed
+
+            listed = cli("shards", "list", "--app", str(app))
+            assert listed.returncode == 0, listed.stderr
+            rows = {line.split()[0]: line.split()[1] for line in listed.stdout.splitlines()[1:]}
+            assert rows["shard-003"] == rows["shard-005"] == "FAILED", listed.stdout
+            assert all(rows[s] == "PRIMARY" for s in rows if s not in failed), listed.stdout
+            warnings = listed.stderr.splitlines()
+            assert any("shard-003" in w and "FAILED" in w and garbage_journal in w
+                       and f"offset {garbage_at}" in w for w in warnings), listed.stderr
+            assert any("shard-005" in w and "FAILED" in w and f"cannot count line {poison}" in w
+                       for w in warnings), listed.stderr
+
+            # Unassigning a FAILED shard restarts it: it recovers, reads the same message
+            # again, and fails again the same way.
+            restarts = run.text().count("shard-005: primary, reading")
+            done = cli("shards", "unassign", "shard-005", "--app", str(app))
+            assert done.returncode == 0 and done.stdout.split() == ["shard-005"], done
+            await eventually(lambda: run.text().count("shard-005: primary, reading") > restarts,
+                             30, "shard-005 to be restarted")
+            again = await eventually(lambda: _failed(view), 30, "shard-005 to fail again")
+            assert f"cannot count line {poison}" in again["shard-005"], again
+
+            # The healthy shards counted every line routed to them, exactly.
+            healthy = [s for s in config.shard_ids() if s not in failed]
+            state = await view.state()
+            serving = {s: view.endpoint_of(state, state.primary_of(s).member) for s in healthy}
+            heads = await view.heads()
+            for shard, endpoint in serving.items():
+                await view.stat(endpoint, shard, {j: heads[j] for j in view.sources_of(shard)})
+            ids = [i for i in range(800) if view.shard_of_id(i) in healthy]
+            assert await view.query_counts(serving) == expected_counts(ids)
+    finally:
+        run.stop()
+
+
+async def _failed(view: AppView) -> dict[str, str] | None:
+    """Shard -> its primary's error, once there are FAILED shards."""
+    state = await view.state()
+    failed = {}
+    for shard in view.config.shard_ids():
+        primary = state.primary_of(shard)
+        if primary is not None and primary.code == Code.FAILED:
+            failed[shard] = " ".join(primary.status.errors)
+    return failed if len(failed) >= 2 else None
+
+
+def test_unknown_store_kind_is_a_one_line_error(tmp_path: Path) -> None:
+    app = copy_wordcount(tmp_path / "wordcount", store={"kind": "mongo"})
+    done = cli("run", str(app), "--broker", "127.0.0.1:1", "--no-status", timeout=30)
+    assert done.returncode == 2, done
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "store.kind" in lines[0] and "mongo" in lines[0], lines[0]
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path: Path) -> None:
+    app = copy_wordcount(tmp_path / "wordcount")
+    config = app / "streamkit.yaml"
+    config.write_text(config.read_text().replace("shards: 8", "shards: [8"))
+    line = next(n for n, text in enumerate(config.read_text().splitlines(), 1)
+                if text.startswith("shards"))
+    done = cli("run", str(app), "--broker", "127.0.0.1:1", "--no-status", timeout=30)
+    assert done.returncode == 2, done
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert str(config) in lines[0], lines[0]
+    reported = re.search(r"line (\d+)", lines[0])
+    assert reported and int(reported.group(1)) in (line, line + 1), lines[0]
