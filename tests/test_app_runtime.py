@@ -232,3 +232,29 @@ async def _wait_processed_one(replica: Any, client: BrokerClient, journal: str) 
     reader.close()
     await asyncio.wait_for(replica.shard.progress.wait_for({journal: reader.uncommitted.offset}),
                            30)
+
+
+async def test_fenced_primary_recovers_again(shared_broker: Any, tmp_path: Path) -> None:
+    """Another author takes the recovery log over (as a backfill's hand-over does): the
+    primary's next commit fails, it recovers again from the log, and counts stay exact."""
+    from streamkit.recoverylog.recovery import recover
+
+    async with BrokerClient(shared_broker.address) as client:
+        base = unique_name("app")
+        journals = await _journals(client, base, 1)
+        specs = _specs(base, journals["inputs"])
+        service = Service(_runtime(WordCount, client, tmp_path, journals["outputs"]))
+        await service.assign(specs, {sid: 0 for sid in specs})
+        first = ["a b c"] * 50
+        await _publish_lines(client, journals["inputs"], first)
+        await _wait_processed(service, client, journals["inputs"])
+        replica = service.replicas["shard-000"]
+        fs = await recover(client, f"{base}/recovery/shard-000", tmp_path / "other-author")
+        await fs.recorder.close()
+        second = ["b c d"] * 30
+        await _publish_lines(client, journals["inputs"], second)
+        await eventually(lambda: replica.status.code == Code.PRIMARY and bool(replica._fences), 20)
+        await _wait_processed(service, client, journals["inputs"])
+        assert await replica.query({"word": "b"}) == 80
+        await service.stop()
+        assert await _read_counts(client, journals["outputs"]) == _expected(first + second)

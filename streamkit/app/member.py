@@ -96,6 +96,7 @@ class Member:
             keyspace_root=config.keyspace_root,
             file_root=options.file_root,
             hint_interval=options.hint_interval,
+            is_primary_here=self._is_primary_here if options.allocate else None,
         )
         self.service = Service(self.runtime)
         self.allocator: Allocator | None = None
@@ -127,6 +128,14 @@ class Member:
                 if not spec.disable:
                     specs[spec.id] = spec
             await self.service.assign(specs, {shard_id: 0 for shard_id in specs})
+
+    def _is_primary_here(self, shard_id: str) -> bool:
+        """Whether the KeySpace (as last seen) assigns this member the shard's primary."""
+        allocator = self.allocator
+        if allocator is None:
+            return False
+        primary = allocator.state.primary_of(shard_id)
+        return primary is not None and primary.member == allocator.member
 
     async def stop(self) -> None:
         """Gracefully: primaries commit what they consumed, then the member leaves."""

@@ -14,9 +14,11 @@ import asyncio
 import contextlib
 import logging
 import shutil
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from streamkit.app.application import Application, QueryError
 from streamkit.app.checkpoints import producer_states, start_offsets
@@ -24,8 +26,8 @@ from streamkit.app.hints import load_hints, push_backup_hints, store_primary_hin
 from streamkit.app.publishing import ShardPublisher
 from streamkit.app.shard import Shard, StoreFactory
 from streamkit.app.sources import SourceInput
-from streamkit.app.txn import TransactionLoop, reappend_ack_intents
-from streamkit.client import BrokerClient
+from streamkit.app.txn import TransactionFailed, TransactionLoop, reappend_ack_intents
+from streamkit.client import BrokerClient, RegisterMismatch
 from streamkit.keyspace.keyspace import KeySpace
 from streamkit.message.mapping import MappingFunc
 from streamkit.message.publisher import Publisher
@@ -35,13 +37,16 @@ from streamkit.protocol import recoverylog_pb2 as rpb
 from streamkit.recoverylog.fsm import FSMError, RecoveryLogError
 from streamkit.recoverylog.recorded_fs import RecordedFS
 from streamkit.recoverylog.recovery import Playback
-from streamkit.stores.store import Store
+from streamkit.stores.store import FencedError, Store
 
 __all__ = ["Replica", "Runtime"]
 
 log = logging.getLogger(__name__)
 
 Code = consumer_pb.ReplicaStatus.Code
+
+_MAX_FENCES = 3  # times a primary may be fenced and recover again within the window
+_FENCE_WINDOW = 60.0
 
 
 @dataclass
@@ -57,7 +62,20 @@ class Runtime:
     keyspace_root: str
     file_root: Path | None = None
     hint_interval: float = 60.0
+    # Whether this process should (still) be a shard's primary: asked before a fenced
+    # primary recovers again. None: always (no allocator, every shard is primary here).
+    is_primary_here: Callable[[str], bool] | None = None
     extra: dict[str, object] = field(default_factory=dict)
+
+
+def is_fenced(error: BaseException) -> bool:
+    """Whether `error` says another author took the shard's recovery log or store over."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, RegisterMismatch | FencedError):
+            return True
+        seen = seen.__cause__
+    return False
 
 
 class Replica:
@@ -66,14 +84,8 @@ class Replica:
     def __init__(self, runtime: Runtime, spec: consumer_pb.ShardSpec) -> None:
         self.runtime = runtime
         self.app = runtime.app_factory()
-        self.shard = Shard(
-            spec,
-            runtime.client,
-            fqn=f"{runtime.keyspace_root}/items/{spec.id}",
-            work_dir=runtime.work_dir / spec.id,
-            mappings=runtime.mappings,
-            store_factory=runtime.store_factory,
-        )
+        self.shard = self._new_shard(spec)
+        self._fences: list[float] = []  # monotonic times this replica was fenced
         self.status = consumer_pb.ReplicaStatus(code=Code.IDLE)
         self.changed = asyncio.Event()  # set on every status change
         self.store: Store | None = None
@@ -82,6 +94,12 @@ class Replica:
         self._fs: RecordedFS | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
+
+    def _new_shard(self, spec: consumer_pb.ShardSpec) -> Shard:
+        runtime = self.runtime
+        return Shard(spec, runtime.client, fqn=f"{runtime.keyspace_root}/items/{spec.id}",
+                     work_dir=runtime.work_dir / spec.id, mappings=runtime.mappings,
+                     store_factory=runtime.store_factory)
 
     @property
     def id(self) -> str:
@@ -139,21 +157,48 @@ class Replica:
         self.changed.set()
         self.changed = asyncio.Event()
 
-    async def _guard(self, body: asyncio.Future[None] | object) -> None:
+    async def _guard(self, body: Coroutine[Any, Any, None]) -> None:
         try:
-            await body  # type: ignore[misc]
+            await body
         except asyncio.CancelledError:
             raise
         except BaseException as error:
+            if is_fenced(error) and not self._stopping.is_set():
+                await self._fenced(error)
+                return
             message = f"{type(error).__name__}: {error}" if str(error) else repr(error)
-            log.error(
-                "shard %s failed: %s",
-                self.id,
-                message,
-                exc_info=not isinstance(error, QueryError | OSError),
-            )
+            if isinstance(error, TransactionFailed):
+                message = str(error)
+            log.error("shard %s failed: %s", self.id, message,
+                      exc_info=not isinstance(error, QueryError | OSError | TransactionFailed))
             self._set_status(Code.FAILED, message)
             await self._release()
+
+    async def _fenced(self, error: BaseException) -> None:
+        """Another author took over: a new primary elsewhere, or a backfill's hand-over.
+
+        Nothing this primary committed is lost (the other author played it
+        back first); its uncommitted transaction is dropped. If it is still
+        meant to be primary here (a backfill), it recovers again from what
+        the new author wrote; otherwise it idles until the Service drops it.
+        """
+        await self._release()
+        check = self.runtime.is_primary_here
+        now = time.monotonic()
+        self._fences = [t for t in self._fences if now - t < _FENCE_WINDOW] + [now]
+        if check is not None and not check(self.id):
+            log.info("shard %s: fenced by its new primary; stepping down", self.id)
+            self._set_status(Code.IDLE)
+            return
+        if len(self._fences) > _MAX_FENCES:
+            self._set_status(Code.FAILED, f"fenced {len(self._fences)} times within "
+                             f"{_FENCE_WINDOW:.0f}s; last: {error}")
+            return
+        log.warning("shard %s: fenced by another author of its recovery log (%s); "
+                    "recovering again", self.id, error)
+        self.shard = self._new_shard(self.shard.spec)
+        self._task = asyncio.create_task(self._guard(self._primary(None)),
+                                         name=f"primary:{self.id}")
 
     async def _hint_candidates(self) -> list[rpb.FSMHints | None]:
         """Hints to recover from, best first: primary, backups, then the whole log."""

@@ -43,7 +43,7 @@ from streamkit.message.message import Envelope
 from streamkit.protocol import consumer_pb
 from streamkit.stores.store import Store
 
-__all__ = ["TransactionLoop", "reappend_ack_intents"]
+__all__ = ["TransactionFailed", "TransactionLoop", "reappend_ack_intents"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ _YIELD_EVERY = 256  # messages consumed between yields to the event loop (reads,
 # Messages consumed between looks at the clock and at a stop request: often enough that a
 # slow application's transactions still end near max_duration.
 _CHECK_EVERY = 16
+_YIELD_AFTER = 0.02  # seconds of consuming after which the loop yields regardless of count
 
 
 def _hook(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
@@ -69,6 +70,15 @@ async def reappend_ack_intents(shard: Shard, cp: consumer_pb.Checkpoint) -> None
     futures = [shard.appends.append_nowait(j, data) for j, data in cp.ack_intents.items()]
     for future in futures:
         await future
+
+
+class TransactionFailed(Exception):
+    """A transaction of a shard failed: its application, input, store or appends."""
+
+    def __init__(self, shard: str, number: int, error: BaseException) -> None:
+        text = f"{type(error).__name__}: {error}" if str(error) else repr(error)
+        super().__init__(f"transaction {number}: {text}")
+        self.shard, self.number = shard, number
 
 
 class TransactionLoop:
@@ -98,9 +108,15 @@ class TransactionLoop:
         # Held from a transaction's first message until its commit started: queries take it
         # to see the store between transactions.
         self.lock = asyncio.Lock()
+        self._number = 0  # of the transaction begun last (1 is the first since the restore)
+        self._yielded = 0.0  # loop time of the last yield to the event loop
 
     async def run(self, stopping: asyncio.Event) -> None:
-        """Consume and commit until `stopping` is set, then finish the transaction in progress."""
+        """Consume and commit until `stopping` is set, then finish the transaction in progress.
+
+        A failure is raised as TransactionFailed naming the transaction (its
+        cause is the original error).
+        """
         try:
             while True:
                 first = await self._first_message(stopping)
@@ -108,11 +124,15 @@ class TransactionLoop:
                     break
                 async with self.lock:
                     await self._transaction(first, stopping)
+            await self.wait_committed()
+        except (asyncio.CancelledError, TransactionFailed):
+            raise
+        except Exception as error:
+            raise TransactionFailed(self.shard.id, self._number, error) from error
         finally:
             previous = self._previous
             if previous is not None and not previous.done():
                 await asyncio.wait((previous,))
-        self._check_previous()
 
     async def wait_committed(self) -> None:
         """Until the last started commit is durable and acknowledged (raises if it failed)."""
@@ -146,6 +166,7 @@ class TransactionLoop:
         shard, store, source, publisher = self.shard, self.store, self.source, self.publisher
         started = loop.time()
         min_at, max_at = started + self.min_duration, started + self.max_duration
+        self._number += 1
         await self._begin(shard, store)
         publisher.publisher.clock.update()
         consume = self.app.consume_message
@@ -159,9 +180,13 @@ class TransactionLoop:
                 else:
                     consume(shard, store, env, publisher)
                 if count % _CHECK_EVERY == 0:
-                    if count % _YIELD_EVERY == 0:
+                    now = loop.time()
+                    if count % _YIELD_EVERY == 0 or now - self._yielded > _YIELD_AFTER:
+                        # Yield by count and by time: a slow application must not starve
+                        # reads, commits, other shards, or the member's lease keepalive.
                         await asyncio.sleep(0)
-                    if loop.time() >= max_at or stopping.is_set():
+                        self._yielded = now
+                    if now >= max_at or stopping.is_set():
                         break
                 env = poll()
                 continue
