@@ -39,7 +39,8 @@ def _ask(primary: Primary, request: dict[str, Any]) -> Any:
 @click.argument("request")
 @click.option("--key", default=None, help="Ask only the shard owning this key.")
 @click.option("--shard", default=None, help="Ask only this shard.")
-@click.option("--keyspace", default=None, help="KeySpace (default: .streamkit/keyspace.db).")
+@click.option("--keyspace", default=None,
+              help="KeySpace (default: APP_DIR/.streamkit/keyspace.db).")
 @async_command()
 async def query(app_dir: Path, request: str, key: str | None, shard: str | None,
                 keyspace: str | None) -> None:

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import click
+import grpc
 
 from streamkit.app.config import AppConfig, load_config
 from streamkit.app.member import Member, MemberOptions, deploy
@@ -37,6 +38,7 @@ __all__ = ["run", "serve"]
 log = logging.getLogger(__name__)
 
 DEFAULT_BROKER_PORT = 8080
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def _app_config(app_dir: Path, shards: int | None, standbys: int | None,
@@ -95,6 +97,25 @@ async def _wait_for_members(config: AppConfig, keyspace: KeySpace, workers: list
         await asyncio.sleep(0.1)
 
 
+async def _deploy_when_ready(config: AppConfig, client: BrokerClient, keyspace: KeySpace,
+                             broker: str, timeout: float = 30.0) -> None:
+    """Create the app's journals and shards, retrying while the broker is still starting."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            await deploy(config, client, keyspace)
+            return
+        except grpc.aio.AioRpcError as err:
+            if err.code() not in _NOT_YET or loop.time() > deadline:
+                raise CliError(f"cannot set up the app's journals at broker {broker}: "
+                               f"{err.code().name}: {err.details()}") from None
+            await asyncio.sleep(0.25)
+
+
+_NOT_YET = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 async def _until_signalled() -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -127,15 +148,16 @@ def _start_broker(config: AppConfig, port: int, keyspace_url: str) -> Child:
               show_default=True, help="Port of the bundled broker (HTTP on the next one).")
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Member processes on this machine sharing the shards.")
-@click.option("--standbys", type=click.IntRange(0, 3), default=None,
+@click.option("--standbys", type=click.IntRange(0, 8), default=None,
               help="Hot standbys per shard (default: streamkit.yaml's).")
 @click.option("--store", type=click.Choice(STORE_KINDS), default=None,
               help="Store kind, overriding streamkit.yaml.")
-@click.option("--keyspace", default=None, help="KeySpace (default: .streamkit/keyspace.db).")
+@click.option("--keyspace", default=None,
+              help="KeySpace (default: APP_DIR/.streamkit/keyspace.db).")
 @click.option("--status/--no-status", default=None,
               help="Show the live status table (default: when stdout is a terminal).")
-@click.option("--log-level", default="WARNING", show_default=True,
-              envvar="STREAMKIT_LOG_LEVEL")
+@click.option("--log-level", default="WARNING", show_default=True, envvar="STREAMKIT_LOG_LEVEL",
+              type=click.Choice(_LEVELS, case_sensitive=False), help="Log level of the shards.")
 @async_command(interrupt_exit=0)
 async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, workers: int,
               standbys: int | None, store: str | None, keyspace: str | None,
@@ -155,16 +177,18 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
             bundled = _start_broker(config, port, keyspace_url)
             broker = f"127.0.0.1:{port}"
             file_root = config.data_dir / "broker" / "fragments"
+        # Workers start before this process opens gRPC channels: forking a process
+        # with gRPC's threads running is what gRPC warns about.
+        for index in range(1, workers):
+            args = ["serve", str(config.app_dir), "--broker", broker, "--keyspace",
+                    keyspace_url, "--suffix", f"worker-{index}", "--log-level", log_level,
+                    "--store", config.store_kind]
+            if file_root is not None:
+                args += ["--file-root", str(file_root)]
+            workers_.append(start_child(f"worker {index}", args,
+                                        config.data_dir / f"worker-{index}.log"))
         async with BrokerClient(broker) as client, open_keyspace(keyspace_url) as ks:
-            await deploy(config, client, ks)
-            for index in range(1, workers):
-                args = ["serve", str(config.app_dir), "--broker", broker, "--keyspace",
-                        keyspace_url, "--suffix", f"worker-{index}", "--log-level", log_level]
-                args += ["--store", config.store_kind]
-                if file_root is not None:
-                    args += ["--file-root", str(file_root)]
-                workers_.append(start_child(f"worker {index}", args,
-                                            config.data_dir / f"worker-{index}.log"))
+            await _deploy_when_ready(config, client, ks, broker)
             await _wait_for_members(config, ks, workers_)
             async with _member(config, app_class, client, ks, suffix="worker-0",
                                broker_file_root=file_root):
@@ -189,13 +213,17 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
 
 @click.command("serve")
 @click.argument("app_dir", default=".", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--broker", required=True, metavar="HOST:PORT", envvar="STREAMKIT_BROKER")
-@click.option("--keyspace", default=None, help="KeySpace (default: .streamkit/keyspace.db).")
+@click.option("--broker", required=True, metavar="HOST:PORT", envvar="STREAMKIT_BROKER",
+              help="The broker the app's journals live on.")
+@click.option("--keyspace", default=None,
+              help="KeySpace (default: APP_DIR/.streamkit/keyspace.db).")
 @click.option("--suffix", default=None, help="This member's name (default: host-pid).")
-@click.option("--store", type=click.Choice(STORE_KINDS), default=None)
+@click.option("--store", type=click.Choice(STORE_KINDS), default=None,
+              help="Store kind, overriding streamkit.yaml (must match the other members).")
 @click.option("--file-root", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="The broker's file:// fragment root, read directly when on this machine.")
-@click.option("--log-level", default="INFO", show_default=True, envvar="STREAMKIT_LOG_LEVEL")
+@click.option("--log-level", default="INFO", show_default=True, envvar="STREAMKIT_LOG_LEVEL",
+              type=click.Choice(_LEVELS, case_sensitive=False), help="Log level.")
 @async_command(interrupt_exit=0)
 async def serve(app_dir: Path, broker: str, keyspace: str | None, suffix: str | None,
                 store: str | None, file_root: Path | None, log_level: str) -> None:
