@@ -20,6 +20,7 @@ Markers, as HTML comments on the line before a block:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -523,6 +524,10 @@ def test_readme_main_job(session: Session) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         pytest.fail(f"README block did not finish:\n{stdout}\n{stderr}")
+    finally:
+        # A block that failed half-way leaves its background `streamkit run` behind.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
     assert proc.returncode == 0, f"README block failed:\n{stdout}\n{stderr}"
     answer = stdout[stdout.rindex("\n{\n") + 1:]  # the last query's pretty-printed answer
     assert json.loads(answer) == {"key": "a", "total": 2}, stdout
