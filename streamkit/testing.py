@@ -31,16 +31,31 @@ from streamkit.client import BrokerClient, write_head
 from streamkit.client.append_service import AppendService
 from streamkit.keyspace import open_keyspace
 from streamkit.message.publisher import Publisher
-from streamkit.message.reader import ReadCommitted
+from streamkit.message.reader import ReadCommitted, ReadUncommitted
 from streamkit.stores.store import Store
 
-__all__ = ["AppHarness"]
+__all__ = ["AppHarness", "read_journals"]
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+async def read_journals(client: BrokerClient, journals: Iterable[str],
+                        reader: type[ReadCommitted | ReadUncommitted] = ReadCommitted
+                        ) -> list[Any]:
+    """Every message of the journals up to their write heads (read-committed by default)."""
+    out = []
+    for journal in journals:
+        messages = reader(client, journal, block=False)
+        try:
+            async for env in messages:
+                out.append(env.message)
+        finally:
+            messages.close()
+    return out
 
 
 class AppHarness:
@@ -171,15 +186,7 @@ class AppHarness:
     async def read_output(self, topic: str) -> list[Any]:
         """The read-committed messages of every partition of a topic, to their write heads."""
         assert self.client is not None
-        out = []
-        for journal in self.config.topic_journals(topic):
-            reader = ReadCommitted(self.client, journal, block=False)
-            try:
-                async for env in reader:
-                    out.append(env.message)
-            finally:
-                reader.close()
-        return out
+        return await read_journals(self.client, self.config.topic_journals(topic))
 
     async def _head(self, journal: str) -> int:
         assert self.client is not None

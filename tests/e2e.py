@@ -37,6 +37,7 @@ from streamkit.message.publisher import Publisher
 from streamkit.message.reader import ReadCommitted, ReadUncommitted
 from streamkit.protocol import consumer_pb
 from streamkit.protocol import consumer_pb2_grpc as consumer_grpc
+from streamkit.testing import read_journals
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "wordcount"
@@ -344,15 +345,7 @@ class AppView:
 
     async def _read_output(self, kind: type) -> list[dict[str, Any]]:
         assert self.client is not None
-        out = []
-        for journal in self.config.topic_journals(OUTPUT):
-            reader = kind(self.client, journal, block=False)
-            try:
-                async for env in reader:
-                    out.append(env.message)
-            finally:
-                reader.close()
-        return out
+        return await read_journals(self.client, self.config.topic_journals(OUTPUT), kind)
 
 
 def totals_of_updates(updates: list[dict[str, Any]]) -> Counter[str]:

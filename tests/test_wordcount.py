@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from streamkit.testing import AppHarness
+from tests.e2e import totals_of_updates
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "wordcount"
 
@@ -20,19 +21,6 @@ def generate_lines(n: int, vocabulary: int = 200, seed: int = 7) -> list[str]:
     rng = random.Random(seed)
     words = [f"w{i}" for i in range(vocabulary)]
     return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 7))) for _ in range(n)]
-
-
-def totals_from_updates(updates: list[dict[str, Any]]) -> Counter[str]:
-    """Sum over shards of each shard's latest count; checks updates only ever increase."""
-    latest: dict[tuple[str, str], int] = {}
-    for update in updates:
-        key = (update["shard"], update["word"])
-        assert update["count"] > latest.get(key, 0), f"duplicate or stale update {update}"
-        latest[key] = update["count"]
-    totals: Counter[str] = Counter()
-    for (_, word), count in latest.items():
-        totals[word] += count
-    return totals
 
 
 @pytest.fixture
@@ -65,4 +53,4 @@ async def test_wordcount_counts_exactly(app_dir: Path, store: str, request: Any)
         for word in ("w0", "w17", "w199", "absent"):
             answers = {shard: await h.query({"word": word}, shard=shard) for shard in h.replicas}
             assert h.app("shard-000").combine_answers(answers) == expected[word]
-        assert totals_from_updates(await h.read_output("wordcount/counts")) == expected
+        assert totals_of_updates(await h.read_output("wordcount/counts")) == expected

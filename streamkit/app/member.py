@@ -28,6 +28,7 @@ from streamkit.app.deploy import ensure_journals, ensure_shard_specs
 from streamkit.app.replica import Runtime
 from streamkit.app.service import Service
 from streamkit.app.store_kinds import build_store
+from streamkit.app.waits import first_of
 from streamkit.client import BrokerClient
 from streamkit.keyspace.keyspace import KeySpace
 from streamkit.protocol import consumer_pb, pb
@@ -180,15 +181,7 @@ class Member:
             await self.service.assign(state.items, slots)
             seen = {item: (a.slot, a.create_revision) for item, a in mine.items()}
             await self._report(mine)
-            waits = [
-                asyncio.ensure_future(allocator.wait_for_change(state.revision)),
-                asyncio.ensure_future(changed.wait()),
-            ]
-            try:
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for wait in waits:
-                    wait.cancel()
+            await first_of([allocator.wait_for_change(state.revision), changed.wait()])
 
     async def _report(self, mine: dict[str, Assignment]) -> None:
         """Write replicas' statuses where the KeySpace has another."""

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from streamkit.app.member import Member
     from streamkit.app.replica import Replica
     from streamkit.app.service import Service
+from streamkit.app.waits import first_of
 
 __all__ = [
     "BadRequest",
@@ -448,15 +449,7 @@ class ShardAPI(consumer_grpc.ShardServicer):
                     status=consumer_pb.SHARD_STOPPED, header=await self._local_header()
                 )
             changed = replica.changed
-            waits = [
-                asyncio.ensure_future(progress.wait_for(wanted)),
-                asyncio.ensure_future(changed.wait()),
-            ]
-            try:
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for wait in waits:
-                    wait.cancel()
+            await first_of([progress.wait_for(wanted), changed.wait()])
         return consumer_pb.StatResponse(
             status=consumer_pb.OK,
             header=await self._local_header(),

@@ -38,6 +38,7 @@ from streamkit.app.metrics import SHARD_METRICS
 from streamkit.app.publishing import ShardPublisher
 from streamkit.app.shard import Shard
 from streamkit.app.sources import SourceInput
+from streamkit.app.waits import first_of
 from streamkit.client.append_service import OpFuture
 from streamkit.message.message import Envelope
 from streamkit.protocol import consumer_pb
@@ -157,7 +158,7 @@ class TransactionLoop:
                 waits: list[Awaitable[Any]] = [source.wait_ready(), stopping.wait()]
                 if self._previous is not None:
                     waits.append(self._previous)
-                await _first_of(waits)
+                await first_of(waits)
             else:
                 await source.fill()
 
@@ -199,13 +200,13 @@ class TransactionLoop:
                 continue
             previous = self._previous
             if previous is not None and not previous.done():
-                await _first_of([previous, source.wait_ready()], max_at - now)
+                await first_of([previous, source.wait_ready()], max_at - now)
             elif stopping.is_set():
                 break
             elif now < min_at:
-                await _first_of([source.wait_ready(), stopping.wait()], min_at - now)
+                await first_of([source.wait_ready(), stopping.wait()], min_at - now)
             elif self.wait_for_ack and source.sequencer.has_pending():
-                await _first_of([source.wait_ready(), stopping.wait()], max_at - now)
+                await first_of([source.wait_ready(), stopping.wait()], max_at - now)
             else:
                 break
             self._check_previous()
@@ -264,18 +265,3 @@ class TransactionLoop:
         if previous is not None and previous.done():
             self._previous = None
             previous.result()
-
-
-async def _first_of(waits: list[Awaitable[Any]], timeout: float | None = None) -> None:
-    """Until the first of `waits` finishes (or `timeout`).
-
-    Coroutines are wrapped in tasks here and cancelled afterwards; tasks the
-    caller passed in (the previous commit) are left running.
-    """
-    futures = [asyncio.ensure_future(w) for w in waits]
-    try:
-        await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for wait, future in zip(waits, futures, strict=True):
-            if future is not wait and not future.done():
-                future.cancel()
