@@ -16,12 +16,16 @@ mean and p99 during catch-up (from the members' Prometheus histograms), the
 publish-to-processed latency of single lines on the idle app, then with `--live N` the rate at
 which N more lines are processed while being published, and with
 `--recovery` the time from a SIGKILL of the run to all shards serving again.
+`--failover ROUNDS` measures instead how long hot standbys take to serve the
+shards of a SIGKILLed member (two `streamkit serve` members, `standbys: 1`,
+`--lines` of state).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import re
 import shutil
@@ -176,6 +180,49 @@ async def end_to_end_latency(client: BrokerClient, config: Any, resolver: Resolv
             "p99_ms": round(1000 * times[min(len(times) - 1, int(len(times) * 0.99))], 1)}
 
 
+async def failover(broker: BrokerProcess, tmp: Path, lines: list[str], rounds: int
+                   ) -> dict[str, Any]:
+    """Two `streamkit serve` members with a hot standby per shard: SIGKILL the member
+    holding the most primaries, time until the other serves its shards (PRIMARY, and
+    answering Stat and a query), bring it back, repeat."""
+    from tests.e2e import AppView, copy_wordcount, eventually, serve_app
+
+    app = copy_wordcount(tmp / "failover", standbys=1)
+    times = []
+    members = {}
+    async with AppView(app, broker.address) as view:
+        await view.state()
+        await deploy(view.config, view.client, view.keyspace)
+        await publish_lines(view.client, view.config, lines, 0)
+        for name in ("a", "b"):
+            members[name] = serve_app(app, broker.address, name, tmp / f"serve-{name}.log")
+        try:
+            for round_ in range(rounds):
+                await eventually(view.balanced if round_ else view.standing_by, 120,
+                                 "a primary and a standby per shard")
+                await view.wait_caught_up(120)
+                state = await view.state()
+                by_member: dict[str, list[str]] = {}
+                for shard in view.config.shard_ids():
+                    by_member.setdefault(state.primary_of(shard).suffix, []).append(shard)
+                victim = max(by_member, key=lambda m: len(by_member[m]))
+                survivor = "b" if victim == "a" else "a"
+                killed = time.monotonic()
+                members[victim].kill()
+                moved = by_member[victim]
+                await eventually(functools.partial(view.served_by, moved, survivor), 30,
+                                 "the survivor to serve", interval=0.01)
+                times.append(time.monotonic() - killed)
+                members[victim] = serve_app(app, broker.address, victim,
+                                            tmp / f"serve-{victim}-{round_}.log")
+        finally:
+            for proc in members.values():
+                proc.stop()
+    times.sort()
+    return {"rounds": rounds, "state_lines": len(lines), "min_s": round(times[0], 2),
+            "median_s": round(times[len(times) // 2], 2), "max_s": round(times[-1], 2)}
+
+
 def start_run(app: Path, broker: BrokerProcess, workers: int, log: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "streamkit.cli.main", "run", str(app), "--broker",
@@ -248,11 +295,17 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--live", type=int, default=0, help="lines published while running")
     parser.add_argument("--recovery", action="store_true")
+    parser.add_argument("--failover", type=int, default=0, metavar="ROUNDS",
+                        help="only measure hot-standby failover, ROUNDS times")
     parser.add_argument("--latency", type=int, default=50,
                         help="single-line publish-to-processed samples (0: skip)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    results = with_broker(lambda broker, tmp: bench(broker, tmp, args))
+    if args.failover:
+        lines = lines_file(args.lines).read_text().splitlines()
+        results = with_broker(lambda broker, tmp: failover(broker, tmp, lines, args.failover))
+    else:
+        results = with_broker(lambda broker, tmp: bench(broker, tmp, args))
     results["machine"] = machine()
     if args.json:
         print(json.dumps(results))

@@ -264,6 +264,41 @@ class AppView:
                 return None
         return found
 
+    async def standing_by(self) -> bool:
+        """Every shard has a PRIMARY and a STANDBY, on different live members."""
+        if await self.serving() is None:
+            return False
+        state = await self.state()
+        for shard in self.config.shard_ids():
+            codes = sorted(a.code for a in state.assignments_of(shard))
+            if codes != sorted([Code.PRIMARY, Code.STANDBY]):
+                return False
+        return True
+
+    async def balanced(self) -> bool:
+        """Standing by, and each of the two members is primary of half the shards."""
+        if not await self.standing_by():
+            return False
+        state = await self.state()
+        primaries = Counter(state.primary_of(s).suffix for s in self.config.shard_ids())
+        return sorted(primaries.values()) == [4, 4]
+
+    async def served_by(self, shards: list[str], member: str) -> list[str] | None:
+        """`shards`, once each is PRIMARY at `member` and answers Stat and a query there."""
+        state = await self.state()
+        endpoint = ""
+        for shard in shards:
+            primary = state.primary_of(shard)
+            if primary is None or primary.suffix != member or primary.code != Code.PRIMARY:
+                return None
+            endpoint = self.endpoint_of(state, primary.member)
+        try:
+            await asyncio.gather(*(self.stat(endpoint, shard, timeout=1.0) for shard in shards))
+            await self.query_counts({shard: endpoint for shard in shards}, ["w0"])
+        except Exception:
+            return None
+        return shards
+
     async def wait_serving(self, timeout: float = 30.0) -> dict[str, str]:
         return await eventually(self.serving, timeout, "every shard to have a PRIMARY")
 

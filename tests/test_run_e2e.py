@@ -13,7 +13,6 @@ import random
 import re
 import signal
 import time
-from collections import Counter
 from pathlib import Path
 
 from streamkit.app.config import load_config
@@ -99,7 +98,7 @@ async def test_hot_standby_takes_over_within_two_seconds(broker_proc: BrokerProc
             await deploy(view.config, view.client, view.keyspace)
             for name in ("a", "b"):
                 members[name] = serve_app(app, address, name, tmp_path / f"serve-{name}.log")
-            await eventually(lambda: _standing_by(view), 60, "a PRIMARY and a STANDBY per shard")
+            await eventually(view.standing_by, 60, "a PRIMARY and a STANDBY per shard")
             first = Feeder(app, address, tmp_path / "feed-1.log", count=1000, interval=0).start()
             ids = first.finish()
             await _check_exact(view, ids)
@@ -115,7 +114,7 @@ async def test_hot_standby_takes_over_within_two_seconds(broker_proc: BrokerProc
             moved = by_member[victim]
             killed_at = time.monotonic()
             members[victim].kill()
-            taken = await eventually(lambda: _served_by(view, moved, survivor), 10,
+            taken = await eventually(lambda: view.served_by(moved, survivor), 10,
                                      f"{survivor} to serve {moved}", interval=0.01)
             failover = time.monotonic() - killed_at
             print(f"failover of {len(moved)} shard(s) from {victim} to {survivor}: "
@@ -132,51 +131,13 @@ async def test_hot_standby_takes_over_within_two_seconds(broker_proc: BrokerProc
             # back to it until both hold half, and the counts stay exact through hand-offs.
             members[victim] = serve_app(app, address, victim,
                                         tmp_path / f"serve-{victim}-again.log")
-            await eventually(lambda: _balanced(view), 60, "primaries spread over both members")
+            await eventually(view.balanced, 60, "primaries spread over both members")
             third = Feeder(app, address, tmp_path / "feed-3.log", start=2000, count=1000,
                            interval=0).start()
             await _check_exact(view, range(0, third.finish().stop))
     finally:
         for proc in members.values():
             proc.stop()
-
-
-async def _standing_by(view: AppView) -> bool:
-    """Every shard has a PRIMARY and a STANDBY, on different live members."""
-    if await view.serving() is None:
-        return False
-    state = await view.state()
-    for shard in view.config.shard_ids():
-        codes = sorted(a.code for a in state.assignments_of(shard))
-        if codes != sorted([Code.PRIMARY, Code.STANDBY]):
-            return False
-    return True
-
-
-async def _balanced(view: AppView) -> bool:
-    """Standing by, and each of the two members is primary of half the shards."""
-    if not await _standing_by(view):
-        return False
-    state = await view.state()
-    primaries = Counter(state.primary_of(s).suffix for s in view.config.shard_ids())
-    return sorted(primaries.values()) == [4, 4]
-
-
-async def _served_by(view: AppView, shards: list[str], member: str) -> list[str] | None:
-    """`shards`, once each is PRIMARY at `member` and answers Stat and a query there."""
-    state = await view.state()
-    endpoint = ""
-    for shard in shards:
-        primary = state.primary_of(shard)
-        if primary is None or primary.suffix != member or primary.code != Code.PRIMARY:
-            return None
-        endpoint = view.endpoint_of(state, primary.member)
-    try:
-        await asyncio.gather(*(view.stat(endpoint, shard, timeout=1.0) for shard in shards))
-        await view.query_counts({shard: endpoint for shard in shards}, ["w0"])
-    except Exception:
-        return None
-    return shards
 
 
 async def test_interrupt_commits_and_run_resumes(broker_proc: BrokerProcess,
