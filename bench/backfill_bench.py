@@ -1,0 +1,206 @@
+"""Backfill on Spark versus live catch-up, over the same wordcount history.
+
+    python bench/backfill_bench.py [--lines 2000000] [--master local[2]] [--spooled]
+                                   [--skip-live] [--json]
+
+A fresh broker process gets examples/wordcount's journals and `--lines` lines
+of the peer benchmark's data (as bench/wordcount_bench.py loads them:
+committed {"id": i, "line": ...} messages, partitioned by id over 8 journals).
+The broker is then restarted, which persists its spools: the history is in
+SNAPPY fragment files, as a history older than the fragments' flush interval
+is (with `--spooled` the restart is skipped and executors read the history
+through the broker instead).
+
+Measured, each from a cold start of its process:
+
+* backfill: `streamkit backfill APP --spark --master local[2]`, as a
+  subprocess, Spark's start-up included, until every shard is handed over;
+  once with Spark's classes loaded from its jars, once mapped from the class
+  archive the first Spark start on a machine writes (made beforehand if
+  missing; see streamkit.backfill.spark);
+* live catch-up: `streamkit run APP2` (a copy of the app under another name,
+  so it starts from nothing) until every shard has processed every line, as
+  bench/wordcount_bench.py measures it.
+
+Both rates are lines/s over the whole wall time; the ratio is backfill/live.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import machine, with_broker  # noqa: E402
+from bench.wordcount_bench import (  # noqa: E402
+    TOPIC,
+    heads,
+    lines_file,
+    publish_lines,
+    start_run,
+    wait_processed,
+)
+from streamkit.app.config import load_config  # noqa: E402
+from streamkit.app.member import deploy  # noqa: E402
+from streamkit.app.resolver import Resolver  # noqa: E402
+from streamkit.client import BrokerClient  # noqa: E402
+from streamkit.keyspace import open_keyspace  # noqa: E402
+from tests.brokerproc import BrokerProcess  # noqa: E402
+
+
+def copy_app(tmp: Path, folder: str, name: str) -> Path:
+    app = tmp / folder
+    shutil.copytree(ROOT / "examples" / "wordcount", app,
+                    ignore=shutil.ignore_patterns(".streamkit", "__pycache__"))
+    config = app / "streamkit.yaml"
+    config.write_text(config.read_text().replace("name: wordcount", f"name: {name}"))
+    (app / ".streamkit").mkdir()
+    return app
+
+
+async def preload(broker: BrokerProcess, apps: list[Path], lines: list[str]) -> dict[str, int]:
+    async with BrokerClient(broker.address) as client:
+        for app in apps:
+            config = load_config(app)
+            async with open_keyspace(str(config.data_dir / "keyspace.db")) as keyspace:
+                await deploy(config, client, keyspace)
+        config = load_config(apps[0])
+        await publish_lines(client, config, lines, 0)
+        return await heads(client, config)
+
+
+def ensure_class_archive(master: str) -> None:
+    """Start Spark once if this machine has no class archive yet (see streamkit.backfill.spark),
+    and wait until its JVM wrote it: the first backfill on a machine pays for that once."""
+    if not master.startswith("local") or not any(
+            "ArchiveClassesAtExit" in option for option in _archive_options()):
+        return
+    subprocess.run([sys.executable, "-c", "from streamkit.backfill.spark import spark_context, "
+                    "stop_context; sc = spark_context('local[2]'); "
+                    "sc.parallelize(range(2), 2).map(str).collect(); "
+                    "stop_context(sc, exiting=True)"], capture_output=True, check=True)
+    deadline = time.monotonic() + 120
+    while any("ArchiveClassesAtExit" in option for option in _archive_options()):
+        if time.monotonic() > deadline:
+            raise RuntimeError("Spark's class archive was not written")
+        time.sleep(1)
+
+
+def _archive_options() -> list[str]:
+    import pyspark
+
+    from streamkit.backfill.spark import _class_archive, check_java
+
+    return _class_archive(f"{pyspark.__version__} {pyspark.__file__}", check_java())
+
+
+def run_backfill(app: Path, broker: BrokerProcess, master: str, cds: bool
+                 ) -> tuple[float, str]:
+    command = [sys.executable, "-m", "streamkit.cli.main", "backfill", str(app), "--spark",
+               "--master", master, "--broker", broker.address,
+               "--fragment-root", str(broker.data_dir / "fragments")]
+    env = {**os.environ, "STREAMKIT_SPARK_CDS": "1" if cds else "0"}
+    # Output goes to a file, not a pipe: the command is done when its process exits
+    # (Spark's JVM, which shares the output, may take a moment longer to go).
+    with tempfile.TemporaryFile("w+") as out:
+        started = time.monotonic()
+        proc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        elapsed = time.monotonic() - started
+        time.sleep(1)  # (and then nothing of it competes with the next measurement)
+        out.seek(0)
+        output = out.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"backfill failed ({proc.returncode}):\n{output[-3000:]}")
+    return elapsed, output
+
+
+async def live_catch_up(app: Path, broker: BrokerProcess, tmp: Path, wanted: dict[str, int]
+                        ) -> float:
+    config = load_config(app)
+    async with open_keyspace(str(config.data_dir / "keyspace.db")) as keyspace:
+        resolver = Resolver(config, keyspace)
+        started = time.monotonic()
+        proc = start_run(app, broker, 1, tmp / "run.log")
+        try:
+            _, done = await wait_processed(resolver, wanted)
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return done - started
+
+
+async def bench(broker: BrokerProcess, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
+    backfilled = copy_app(tmp, "wordcount", "wordcount")
+    live = copy_app(tmp, "wordcount-live", "wordcount-live")
+    lines = lines_file(args.lines).read_text().splitlines()[: args.lines]
+    results: dict[str, Any] = {"lines": args.lines, "master": args.master,
+                               "history": "spooled" if args.spooled else "fragment files"}
+    t = time.monotonic()
+    wanted = await preload(broker, [backfilled, live], lines)
+    results["preload_s"] = round(time.monotonic() - t, 2)
+    if not args.spooled:
+        broker.terminate(60)  # a graceful stop persists the spools
+        broker.start()
+    await asyncio.to_thread(ensure_class_archive, args.master)
+    for name, cds in (("backfill_without_class_archive", False), ("backfill", True)):
+        elapsed, output = await asyncio.to_thread(run_backfill, backfilled, broker,
+                                                  args.master, cds)
+        print(output, file=sys.stderr)
+        run: dict[str, Any] = {"s": round(elapsed, 2), "lines_per_s": round(args.lines / elapsed)}
+        timing = re.search(r"took ([\d.]+)s \(Spark start ([\d.]+)s, shards ([\d.]+)s", output)
+        if timing:
+            run.update(in_command_s=float(timing.group(1)), spark_start_s=float(timing.group(2)),
+                       job_s=float(timing.group(3)))
+        handed = {m.group(1): int(m.group(2)) for m in re.finditer(
+            r"(wordcount/lines/part-\d+)@(\d+)", output)}
+        if handed != wanted:
+            raise RuntimeError(f"the backfill read through {handed}, expected {wanted}")
+        results[name] = run
+    results["backfill_s"] = results["backfill"]["s"]
+    results["backfill_lines_per_s"] = results["backfill"]["lines_per_s"]
+    if not args.skip_live:
+        elapsed = await live_catch_up(live, broker, tmp, wanted)
+        results["live_catch_up_s"] = round(elapsed, 2)
+        results["live_lines_per_s"] = round(args.lines / elapsed)
+        results["speedup"] = round(results["backfill_lines_per_s"]
+                                   / results["live_lines_per_s"], 2)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lines", type=int, default=2_000_000)
+    parser.add_argument("--master", default="local[2]")
+    parser.add_argument("--spooled", action="store_true",
+                        help="leave the history in the broker's spools (read through it)")
+    parser.add_argument("--skip-live", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    assert TOPIC == "wordcount/lines"
+    results = with_broker(lambda broker, tmp: bench(broker, tmp, args))
+    results["machine"] = machine()
+    if args.json:
+        print(json.dumps(results))
+    else:
+        for key, value in results.items():
+            print(f"{key:>32}: {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""Planning a backfill: which bytes of which journals each shard reads, and from where.
+
+A plan is made once, on the driver, and shipped to the executors: it is a
+tree of small dataclasses holding only str, int and bytes, so it pickles for
+Spark and prints as JSON for `--plan`.
+
+For every shard, each source journal is read from the shard's start (its
+spec's min_offset) to the plan's end: the write head when planning started,
+unless an end offset was given. The bytes in between are covered by the
+journal's fragments, as ListFragments lists them:
+
+* a persisted fragment whose file the executors can reach (a `file://` store
+  under the fragment root, or a signed http(s) URL) is read directly, with no
+  broker in the path;
+* anything else (the still-open spool at the head of a journal, or a store
+  the executors can't reach) is read through the broker's Read RPC.
+
+Where two fragments cover the same bytes (a spool and its persisted copy),
+the one readable directly wins. Bytes no fragment covers (removed by
+retention) are skipped, as a live reader skips them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from streamkit.app.config import AppConfig
+from streamkit.backfill.errors import BackfillError
+from streamkit.client import BrokerClient, JournalNotFound, get_journal, list_fragments, write_head
+from streamkit.message.framing import UnknownFraming, content_type_of, framing_for
+from streamkit.protocol import consumer_pb, pb
+from streamkit.protocol.fragments import content_name
+
+__all__ = [
+    "BackfillPlan",
+    "JournalPlan",
+    "Segment",
+    "ShardPlan",
+    "config_document",
+    "cover",
+    "make_plan",
+    "parse_ends",
+]
+
+URL_TTL = timedelta(hours=12)  # how long signed fragment URLs must stay valid
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Journal bytes [begin, end), all within one fragment.
+
+    `fragment` is the serialized pb.Fragment. `url` is where an executor
+    reads it directly; "" means through the broker.
+    """
+
+    begin: int
+    end: int
+    fragment: bytes
+    url: str = ""
+
+    @property
+    def direct(self) -> bool:
+        return bool(self.url)
+
+    def describe(self, journal: str) -> str:
+        """The fragment's file name (or spool) and this segment's offsets, for messages."""
+        f = pb.Fragment.FromString(self.fragment)
+        try:
+            name = content_name(f) if f.backing_store else "its open spool"
+        except ValueError:
+            name = f"fragment [{f.begin}, {f.end})"
+        return f"{name} of journal {journal}, offsets [{self.begin}, {self.end})"
+
+
+@dataclass(frozen=True)
+class JournalPlan:
+    """One source journal of a shard: bytes [begin, end), covered by `segments` in order."""
+
+    journal: str
+    content_type: str
+    begin: int
+    end: int
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def bytes_direct(self) -> int:
+        return sum(s.end - s.begin for s in self.segments if s.direct)
+
+    @property
+    def bytes_via_broker(self) -> int:
+        return sum(s.end - s.begin for s in self.segments if not s.direct)
+
+    @property
+    def bytes_missing(self) -> int:
+        return self.end - self.begin - self.bytes_direct - self.bytes_via_broker
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """A shard to backfill: its spec (serialized consumer_pb.ShardSpec) and its journals."""
+
+    shard_id: str
+    spec: bytes
+    journals: list[JournalPlan]
+
+    def shard_spec(self) -> consumer_pb.ShardSpec:
+        return consumer_pb.ShardSpec.FromString(self.spec)
+
+
+@dataclass(frozen=True)
+class BackfillPlan:
+    """Everything an executor needs to backfill any shard of the app."""
+
+    app_dir: str  # the app folder (streamkit.yaml and the Application's module)
+    config: dict[str, Any]  # streamkit.yaml as validated, with the store kind settled
+    broker: str  # host:port of a broker serving the app's journals
+    keyspace: str  # URL or path of the app's KeySpace (shard hints are stored there)
+    fragment_root: str | None  # the broker's file:// fragment store root, if reachable
+    txn_size: int  # messages per transaction; 0: as many as the shard's max_txn_duration allows
+    shards: list[ShardPlan]
+
+    @property
+    def store_kind(self) -> str:
+        return str((self.config.get("store") or {}).get("kind") or "rocksdb")
+
+    def app_config(self, app_dir: str | Path | None = None) -> AppConfig:
+        folder = Path(app_dir or self.app_dir)
+        return AppConfig.parse(self.config, str(folder / "streamkit.yaml"), folder)
+
+    def summary(self) -> dict[str, Any]:
+        """What `--plan` prints: shards, journals, byte ranges and fragment counts."""
+        return {
+            "app_dir": self.app_dir,
+            "store": self.store_kind,
+            "broker": self.broker,
+            "keyspace": self.keyspace,
+            "fragment_root": self.fragment_root,
+            "txn_size": self.txn_size,
+            "shards": [
+                {
+                    "shard": shard.shard_id,
+                    "journals": [
+                        {
+                            "journal": j.journal,
+                            "begin": j.begin,
+                            "end": j.end,
+                            "fragments": len({s.fragment for s in j.segments}),
+                            "direct_fragments": len({s.fragment for s in j.segments if s.direct}),
+                            "bytes_direct": j.bytes_direct,
+                            "bytes_via_broker": j.bytes_via_broker,
+                            "bytes_missing": j.bytes_missing,
+                        }
+                        for j in shard.journals
+                    ],
+                }
+                for shard in self.shards
+            ],
+        }
+
+    def to_json(self) -> str:
+        """The whole plan (fragments included, as hex) as JSON."""
+
+        def encode(value: Any) -> Any:
+            if isinstance(value, bytes):
+                return value.hex()
+            raise TypeError(type(value).__name__)
+
+        return json.dumps(asdict(self), default=encode)
+
+
+def config_document(config: AppConfig) -> dict[str, Any]:
+    """streamkit.yaml as plain JSON-able data that `AppConfig.parse` reads back the same."""
+    document = config.model_dump()
+    document["transactions"] = {
+        name: value.total_seconds() for name, value in document["transactions"].items()
+    }
+    return document
+
+
+def parse_ends(values: Iterable[str]) -> dict[str, int]:
+    """`JOURNAL=OFFSET` arguments as a mapping (BackfillError on a malformed one)."""
+    ends: dict[str, int] = {}
+    for value in values:
+        journal, sep, offset = value.rpartition("=")
+        if not sep or not journal:
+            raise BackfillError(f"--end {value!r}: expected JOURNAL=OFFSET")
+        try:
+            ends[journal] = int(offset)
+        except ValueError:
+            raise BackfillError(f"--end {value!r}: {offset!r} is not an offset") from None
+        if ends[journal] < 0:
+            raise BackfillError(f"--end {value!r}: offsets are not negative")
+    return ends
+
+
+def _direct_url(listed: pb.FragmentsResponse._Fragment, fragment_root: Path | None) -> str:
+    """Where an executor can read a persisted fragment itself, or "" (through the broker)."""
+    if not listed.spec.backing_store or not listed.signed_url:
+        return ""
+    scheme = urlsplit(listed.signed_url).scheme
+    if scheme == "file":
+        return listed.signed_url if fragment_root is not None else ""
+    return listed.signed_url if scheme in ("http", "https") else ""
+
+
+def cover(
+    listed: Sequence[pb.FragmentsResponse._Fragment],
+    begin: int,
+    end: int,
+    fragment_root: Path | None = None,
+) -> list[Segment]:
+    """Segments reading [begin, end) from the listed fragments (see the module docstring)."""
+    candidates = sorted(
+        ((f.spec, _direct_url(f, fragment_root)) for f in listed if f.spec.end > f.spec.begin),
+        key=lambda c: c[0].begin,
+    )
+    segments: list[Segment] = []
+    offset, i = begin, 0
+    while offset < end:
+        best: tuple[pb.Fragment, str] | None = None
+        while i < len(candidates) and candidates[i][0].end <= offset:
+            i += 1  # wholly behind us (sorted by begin, so it never covers again)
+        j = i
+        while j < len(candidates) and candidates[j][0].begin <= offset:
+            spec, url = candidates[j]
+            if spec.end > offset and (
+                best is None or (bool(url), spec.end) > (bool(best[1]), best[0].end)
+            ):
+                best = candidates[j]
+            j += 1
+        if best is None:
+            following = [c[0].begin for c in candidates[j:] if c[0].begin > offset]
+            if not following or following[0] >= end:
+                break  # nothing covers the rest: it was removed
+            offset = following[0]  # a gap (removed content) is skipped
+            continue
+        spec, url = best
+        stop = min(spec.end, end)
+        segments.append(Segment(offset, stop, spec.SerializeToString(), url))
+        offset = stop
+    return segments
+
+
+def _check_fragment_root(root: Path, journal: str, segments: Sequence[Segment]) -> None:
+    """Fail early, on the driver, if file fragments are not where the root says."""
+    for segment in segments:
+        if segment.url.startswith("file:"):
+            path = root / unquote(urlsplit(segment.url).path).lstrip("/")
+            if not path.exists():
+                raise BackfillError(
+                    f"fragment {segment.describe(journal)} is not at {path}: is "
+                    f"{root} the broker's fragment store (--fragment-root)?"
+                )
+            return
+
+
+async def _content_type(client: BrokerClient, journal: str) -> str:
+    try:
+        spec = await get_journal(client, journal)
+    except JournalNotFound:
+        raise BackfillError(
+            f"source journal {journal} does not exist: publish to it, or create the app's "
+            "journals with `streamkit run` (or `streamkit journals apply`)"
+        ) from None
+    content_type = content_type_of(spec.labels)
+    try:
+        framing_for(content_type)
+    except UnknownFraming as error:
+        raise BackfillError(f"journal {journal}: {error}") from None
+    return content_type
+
+
+async def make_plan(
+    config: AppConfig,
+    client: BrokerClient,
+    specs: Sequence[consumer_pb.ShardSpec],
+    *,
+    broker: str,
+    keyspace: str,
+    fragment_root: Path | None = None,
+    ends: Mapping[str, int] | None = None,
+    txn_size: int = 0,
+) -> BackfillPlan:
+    """Plan the backfill of `specs` (the app's shards) against the broker `client` talks to.
+
+    Transactions last what the shards' max_txn_duration allows, as live
+    ones do, or exactly `txn_size` messages if that is given.
+    """
+    if txn_size < 0:
+        raise BackfillError(f"a transaction can't have {txn_size} messages")
+    ends = dict(ends or {})
+    journals = sorted({source.journal for spec in specs for source in spec.sources})
+    unknown = sorted(set(ends) - set(journals))
+    if unknown:
+        raise BackfillError(
+            f"--end names {', '.join(unknown)}, which no shard reads "
+            f"(the app's source journals: {', '.join(journals)})"
+        )
+    content_types = {journal: await _content_type(client, journal) for journal in journals}
+    heads = {journal: await write_head(client, journal) for journal in journals}
+    for journal, end in ends.items():
+        if end > heads[journal]:
+            raise BackfillError(
+                f"--end {journal}={end} is past the journal's write head {heads[journal]}"
+            )
+    heads.update(ends)
+    listed = {}
+    for journal in journals:
+        listed[journal] = (await list_fragments(client, journal, signature_ttl=URL_TTL)).fragments
+    root = fragment_root.resolve() if fragment_root is not None else None
+    shards = []
+    for spec in specs:
+        plans = []
+        for source in spec.sources:
+            journal = source.journal
+            begin = min(source.min_offset, heads[journal])
+            segments = cover(listed[journal], begin, heads[journal], root)
+            if root is not None:
+                _check_fragment_root(root, journal, segments)
+            plans.append(JournalPlan(journal, content_types[journal], begin, heads[journal],
+                                     segments))
+        shards.append(ShardPlan(spec.id, spec.SerializeToString(deterministic=True), plans))
+    return BackfillPlan(
+        app_dir=str(config.app_dir.resolve()),
+        config=config_document(config),
+        broker=broker,
+        keyspace=keyspace,
+        fragment_root=str(root) if root is not None else None,
+        txn_size=txn_size,
+        shards=shards,
+    )

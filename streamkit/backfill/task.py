@@ -1,0 +1,381 @@
+"""One shard's backfill, as an executor runs it: plain Python, no Spark in sight.
+
+`run_shard_task(plan, index)` is what a Spark task calls (and what tests and
+profiling call directly). It rebuilds the shard as the runtime would (the
+Application instance, its Shard, its store), then:
+
+* reads the shard's planned journal bytes (`source.JournalReader`) and runs
+  every envelope through a Sequencer restored from the store's checkpoint,
+  the same class and the same calls the live runtime uses, so duplicates are
+  dropped, rolled-back transactions skipped, and a committed transaction
+  whose start the ring lost is replayed from the journal;
+* feeds the committed messages to the Application's hooks in transactions:
+  begin_txn, consume_message, finalize_txn, a commit of the store with a
+  Checkpoint built as the runtime builds it, finished_txn. A transaction
+  lasts the shard's max_txn_duration, as a live one that always finds input
+  ready does (or `plan.txn_size` messages, if set, for repeatable ones);
+* publishes what the hooks publish uncommitted, under a producer ID of this
+  attempt alone. The ACK intents are only appended once the shard's state
+  is handed over, so what a failed attempt published is never acknowledged;
+* hands the state over: a recorded store (RocksDB, SQLite, JSON) ran in a
+  scratch directory recording nothing, and `handover.hand_over` makes that
+  directory the shard's state in its recovery log (fencing a running
+  primary); an SQL store committed straight to its database, having fenced
+  a running primary when it restored its checkpoint;
+* appends the final checkpoint's ACK intents, committing the published
+  messages exactly once. `streamkit run` recovers the checkpoint, appends
+  the same ACKs again (harmless) and reads on from where the backfill ended.
+
+SQL stores can't be reset by the backfill (their tables are the app's), so
+for them it continues from the database's checkpoint rather than from the
+start of the history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import math
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from streamkit.app.application import Application
+from streamkit.app.checkpoints import build_checkpoint, producer_states, start_offsets
+from streamkit.app.publishing import ShardPublisher
+from streamkit.app.shard import Shard
+from streamkit.app.store_kinds import build_store, records_to_log
+from streamkit.app.txn import reappend_ack_intents
+from streamkit.backfill.errors import BackfillError
+from streamkit.backfill.handover import hand_over
+from streamkit.backfill.plan import BackfillPlan, ShardPlan
+from streamkit.backfill.source import JournalReader, merge_by_time
+from streamkit.client import BrokerClient
+from streamkit.keyspace import open_keyspace
+from streamkit.message.message import Envelope
+from streamkit.message.publisher import Publisher
+from streamkit.message.sequencer import QueueOutcome, Sequencer
+from streamkit.protocol import consumer_pb
+from streamkit.recoverylog.local import local_fs
+from streamkit.stores.store import Store
+
+__all__ = ["ShardResult", "TransactionRunner", "run_shard", "run_shard_task"]
+
+log = logging.getLogger(__name__)
+
+_SINGLE = QueueOutcome.OUTSIDE_COMMIT
+_SPAN = QueueOutcome.ACK_COMMIT_RING
+_REPLAY = QueueOutcome.ACK_COMMIT_REPLAY
+_CHECK_TIME = 1023  # the clock is read when count & this == 0: every 1024 messages
+
+
+@dataclass
+class ShardResult:
+    """What one shard's backfill did (returned to the driver as a dict)."""
+
+    shard_id: str
+    messages: int = 0
+    transactions: int = 0
+    read_through: dict[str, int] = field(default_factory=dict)
+    acknowledged: list[str] = field(default_factory=list)  # journals the final ACKs went to
+    bytes_direct: int = 0
+    bytes_via_broker: int = 0
+    files: int = 0  # handed over to the recovery log
+    state_bytes: int = 0
+    seconds: float = 0.0
+    consume_seconds: float = 0.0
+    handover_seconds: float = 0.0
+    cpu_seconds: float = 0.0  # of this process (a Spark worker runs one task at a time)
+
+
+def _hook(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
+    if inspect.iscoroutinefunction(fn):
+        return fn
+
+    async def call(*args: Any) -> Any:
+        return fn(*args)
+
+    return call
+
+
+class TransactionRunner:
+    """Sequences envelope batches and runs the Application's transactions over them.
+
+    `replay(journal, begin, end)` gives batches of an earlier range again,
+    for committed transactions the Sequencer's ring no longer holds. A
+    transaction ends after `max_duration` seconds or, if `txn_size` is not
+    0, after exactly that many messages.
+    """
+
+    def __init__(
+        self,
+        shard: Shard,
+        app: Application,
+        store: Store,
+        publisher: ShardPublisher,
+        sequencer: Sequencer,
+        replay: Callable[[str, int, int], AsyncGenerator[list[Envelope], None]],
+        *,
+        max_duration: float,
+        txn_size: int = 0,
+    ) -> None:
+        self.shard, self.app, self.store = shard, app, store
+        self.publisher, self.sequencer = publisher, sequencer
+        self.replay = replay
+        self.txn_size = txn_size or sys.maxsize
+        self.max_duration = math.inf if txn_size else max_duration
+        self._deadline = 0.0  # when the open transaction is to end
+        self.acks: dict[str, bytes] = {}  # the latest ACK intent of every journal written
+        self.messages = 0  # consumed by committed transactions
+        self.transactions = 0
+        self.checkpoint = consumer_pb.Checkpoint()
+        self._in_txn = 0  # messages consumed by the open transaction (0: none is open)
+        self._begin = _hook(app.begin_txn)
+        self._finalize = _hook(app.finalize_txn)
+        self._finished = _hook(app.finished_txn)
+        self._async_consume = inspect.iscoroutinefunction(app.consume_message)
+
+    async def run(self, batches: AsyncIterator[list[Envelope]]) -> consumer_pb.Checkpoint:
+        """Consume every batch, then commit the last transaction; the final Checkpoint.
+
+        The per-message path: one `queue_uncommitted`, and `dequeue_committed`
+        only when the outcome says something was committed (OUTSIDE_TXN
+        messages, the usual case, commit exactly one envelope: itself).
+        """
+        seq = self.sequencer
+        queue, dequeue = seq.queue_uncommitted, seq.dequeue_committed
+        shard, store, publisher = self.shard, self.store, self.publisher
+        consume = self.app.consume_message
+        plain = not self._async_consume
+        size = self.txn_size
+        clock = time.monotonic
+        async for batch in batches:
+            count = self._in_txn  # messages of the open transaction (0: none is open)
+            for env in batch:
+                outcome = queue(env)
+                if outcome is _SINGLE:
+                    committed = dequeue()
+                    if count == 0:
+                        await self._start_txn()
+                    if plain:
+                        consume(shard, store, committed, publisher)
+                    else:
+                        await consume(shard, store, committed, publisher)
+                    count += 1
+                elif outcome is _SPAN:
+                    committed = dequeue()
+                    while committed is not None:
+                        if count == 0:
+                            await self._start_txn()
+                        if plain:
+                            consume(shard, store, committed, publisher)
+                        else:
+                            await consume(shard, store, committed, publisher)
+                        count += 1
+                        committed = dequeue()
+                elif outcome is _REPLAY:
+                    self._in_txn = count
+                    await self._replayed_span()
+                    count = self._in_txn
+                    continue
+                else:
+                    continue  # duplicates, pending and rolled-back messages, bare ACKs
+                if count >= size or (count & _CHECK_TIME == 0 and clock() >= self._deadline):
+                    self._in_txn = count
+                    await self.commit()
+                    count = 0
+            self._in_txn = count
+            await asyncio.sleep(0)  # let the publisher's appends go out
+        await self.commit()
+        return self.checkpoint
+
+    async def _start_txn(self) -> None:
+        self._deadline = time.monotonic() + self.max_duration
+        await self._begin(self.shard, self.store)
+        self.publisher.publisher.clock.update()
+
+    async def _replayed_span(self) -> None:
+        """Dequeue a committed span that starts before the ring: read its start again."""
+        seq = self.sequencer
+        journal, begin, end = seq.replay_range()
+        shard, store, publisher = self.shard, self.store, self.publisher
+        async with contextlib.aclosing(self.replay(journal, begin, end)) as batches:
+            while True:
+                env = seq.dequeue_committed()
+                if env is not None:
+                    if self._in_txn == 0:
+                        await self._start_txn()
+                    result = self.app.consume_message(shard, store, env, publisher)
+                    if inspect.isawaitable(result):
+                        await result
+                    self._in_txn += 1
+                elif seq.awaiting_replay:
+                    batch = await anext(batches, None)
+                    seq.feed_replay(batch or [], done=batch is None)
+                else:
+                    break
+        if self._in_txn >= self.txn_size or time.monotonic() >= self._deadline:
+            await self.commit()
+
+    async def commit(self) -> None:
+        """Finalize the open transaction (if any) and commit the store with its Checkpoint.
+
+        Every commit carries the latest ACK intent of each journal published
+        to so far, so the last one acknowledges everything the backfill
+        published. The store commits only after the publisher's appends are
+        durable, as in the live runtime.
+        """
+        shard, store, publisher = self.shard, self.store, self.publisher
+        consumed = self._in_txn
+        if consumed:
+            await self._finalize(shard, store, publisher)
+        for intent in publisher.publisher.build_ack_intents():
+            self.acks[intent.journal] = intent.content
+        cp = build_checkpoint(self.sequencer, ())
+        for journal, content in self.acks.items():
+            cp.ack_intents[journal] = content
+        commit = await store.start_commit(shard.id, cp, shard.appends.pending_except(""))
+        if consumed:
+            await self._finished(shard, store, commit)
+        await commit
+        if consumed:
+            self.transactions += 1
+            self.messages += consumed
+        self._in_txn = 0
+        self.checkpoint = cp
+
+
+def _shard(plan: BackfillPlan, shard_plan: ShardPlan, client: BrokerClient, app_dir: Path,
+           work_dir: Path) -> Shard:
+    config = plan.app_config(app_dir)
+    kind = config.store_kind
+    sql_url = config.sql_url() if kind == "sql" else None
+    spec = shard_plan.shard_spec()
+    return Shard(
+        spec,
+        client,
+        fqn=f"{config.keyspace_root}/items/{spec.id}",
+        work_dir=work_dir,
+        mappings=config.mapping_for,
+        store_factory=lambda shard, fs, state: build_store(
+            kind, shard, fs, initial_state=state, sql_url=sql_url
+        ),
+    )
+
+
+async def run_shard(
+    plan: BackfillPlan,
+    index: int,
+    *,
+    app_dir: Path | None = None,
+    scratch: Path | None = None,
+) -> ShardResult:
+    """Backfill shard `plan.shards[index]` and hand it over (see the module docstring).
+
+    `app_dir` is where the app folder is on this machine (default: the
+    plan's); `scratch` where working directories go (default: a temp dir).
+    """
+    started, cpu = time.monotonic(), time.process_time()
+    shard_plan = plan.shards[index]
+    app_dir = Path(app_dir or plan.app_dir)
+    config = plan.app_config(app_dir)
+    app_class = config.load_application(app_dir)
+    result = ShardResult(shard_plan.shard_id)
+    work = Path(tempfile.mkdtemp(prefix=f"backfill-{shard_plan.shard_id}-", dir=scratch))
+    recorded = records_to_log(config.store_kind)
+    try:
+        async with BrokerClient(plan.broker) as client:
+            shard = _shard(plan, shard_plan, client, app_dir, work / "store")
+            app = app_class()
+            fs = await local_fs(work / "store") if recorded else None
+            store = app.new_store(shard, fs)
+            try:
+                cp = await store.restore_checkpoint(shard.id)
+                await reappend_ack_intents(shard, cp)  # an SQL store's last ones may be unsent
+                runner, readers = _runner(plan, shard_plan, shard, app, store, cp)
+                consuming = time.monotonic()
+                begins = runner.sequencer.offsets
+                sources = [r.batches(begins.get(r.journal, r.plan.begin)) for r in readers]
+                final = await runner.run(merge_by_time(sources))
+                result.consume_seconds = time.monotonic() - consuming
+                await shard.appends.flush()
+            finally:
+                await store.destroy()
+                if fs is not None:
+                    await fs.recorder.close()
+            result.messages, result.transactions = runner.messages, runner.transactions
+            result.read_through = {j: s.read_through for j, s in final.sources.items()}
+            result.bytes_direct = sum(r.bytes_direct for r in readers)
+            result.bytes_via_broker = sum(r.bytes_via_broker for r in readers)
+            handing = time.monotonic()
+            if recorded:
+                keyspace = open_keyspace(plan.keyspace)
+                try:
+                    done = await hand_over(client, keyspace, shard.spec, work / "store",
+                                           work / "log")
+                finally:
+                    await keyspace.close()
+                result.files, result.state_bytes = done.files, done.bytes
+            acks = [shard.appends.append_nowait(j, data) for j, data in final.ack_intents.items()]
+            for ack in acks:
+                await ack
+            result.acknowledged = sorted(final.ack_intents)
+            await shard.appends.close()
+            result.handover_seconds = time.monotonic() - handing
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result.seconds = time.monotonic() - started
+    result.cpu_seconds = time.process_time() - cpu
+    return result
+
+
+def _runner(plan: BackfillPlan, shard_plan: ShardPlan, shard: Shard, app: Application,
+            store: Store, cp: consumer_pb.Checkpoint
+            ) -> tuple[TransactionRunner, list[JournalReader]]:
+    """The shard's transaction runner and journal readers, resuming at the checkpoint."""
+    spec = shard.spec
+    offsets = start_offsets(cp, {j.journal: j.begin for j in shard_plan.journals})
+    for journal in shard_plan.journals:
+        if offsets[journal.journal] > journal.end:
+            log.warning("shard %s: %s is already read through %d, past the plan's end %d",
+                        spec.id, journal.journal, offsets[journal.journal], journal.end)
+    root = Path(plan.fragment_root) if plan.fragment_root else None
+    readers = [JournalReader(j, app.new_message(j.journal), shard.client, root)
+               for j in shard_plan.journals]
+    by_journal = {r.journal: r for r in readers}
+
+    def replay(journal: str, begin: int, end: int) -> AsyncGenerator[list[Envelope], None]:
+        return by_journal[journal].batches(begin, end)
+
+    sequencer = Sequencer(producer_states(cp), spec.ring_buffer_size or 8192, offsets=offsets)
+    publisher = ShardPublisher(Publisher(shard.appends), shard.output)
+    max_duration = spec.max_txn_duration.ToTimedelta().total_seconds() or 1.0
+    return TransactionRunner(shard, app, store, publisher, sequencer, replay,
+                             max_duration=max_duration, txn_size=plan.txn_size), readers
+
+
+def run_shard_task(plan: BackfillPlan, index: int, app_dir: str | None = None) -> dict[str, Any]:
+    """A Spark task's body: backfill one shard; its ShardResult as a dict.
+
+    Problems the user can fix raise BackfillError; anything else is wrapped
+    in one that names the shard.
+    """
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    shard_id = plan.shards[index].shard_id
+    try:
+        result = asyncio.run(run_shard(plan, index, app_dir=Path(app_dir) if app_dir else None))
+    except BackfillError as error:
+        raise BackfillError(f"shard {shard_id}: {error}") from None
+    except Exception as error:
+        log.exception("shard %s: backfill failed", shard_id)
+        raise BackfillError(f"shard {shard_id}: {type(error).__name__}: {error}") from None
+    return asdict(result)
+

@@ -1,0 +1,255 @@
+"""`streamkit backfill [APP] --spark`: recompute an app's state from its journals' history.
+
+The backfill plans what each shard reads (its source journals up to their
+write heads, or `--end` offsets), runs one Spark task per shard, and hands
+every shard's result to its recovery log (or SQL database) with a checkpoint
+at the plan's end, so that `streamkit run` goes on live from exactly there.
+Primaries of a `streamkit run` going on meanwhile are fenced by the
+hand-over; once every shard is handed over, their assignments are removed,
+so the app's allocator starts them afresh on the backfilled state.
+
+Like `run`, it talks to the bundled broker of the app's folder: the one a
+running `streamkit run` started (on `--port`), or one it starts for the
+duration of the backfill. `--broker` names any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import click
+
+from streamkit.app.config import AppConfig
+from streamkit.app.member import deploy
+from streamkit.app.store_kinds import STORE_KINDS
+from streamkit.cli.children import Child, port_in_use
+from streamkit.cli.errors import DATA_ERROR, CliError, async_command, warn
+from streamkit.cli.logs import configure_logging
+from streamkit.cli.output import echo_json, echo_table, format_size, plural
+from streamkit.cli.run import DEFAULT_BROKER_PORT, _app_config, _keyspace_url, _start_broker
+from streamkit.client import BrokerClient
+from streamkit.keyspace import open_keyspace
+from streamkit.keyspace.keyspace import KeySpace
+from streamkit.protocol import consumer_pb
+
+__all__ = ["backfill"]
+
+
+async def _shard_specs(config: AppConfig, keyspace: KeySpace) -> list[consumer_pb.ShardSpec]:
+    """The app's shard specs as the runtime would find them: the KeySpace's, else derived."""
+    kvs, _ = await keyspace.range(f"{config.keyspace_root}/items/")
+    stored = {}
+    for kv in kvs:
+        spec = consumer_pb.ShardSpec.FromString(kv.value)
+        stored[spec.id] = spec
+    return [stored.get(spec.id, spec) for spec in config.shard_specs()]
+
+
+@contextlib.asynccontextmanager
+async def _broker(config: AppConfig, broker: str | None, port: int, keyspace_url: str,
+                  fragment_root: Path | None) -> AsyncIterator[tuple[str, Path | None]]:
+    """(address, fragment root): the named broker, the app's running one, or one started here."""
+    if broker is not None:
+        yield broker, fragment_root
+        return
+    bundled_root = config.data_dir / "broker" / "fragments"
+    root = fragment_root or bundled_root
+    if port_in_use(port):
+        yield f"127.0.0.1:{port}", root if root.is_dir() else None
+        return
+    child: Child = _start_broker(config, port, keyspace_url)
+    try:
+        yield f"127.0.0.1:{port}", root
+    finally:
+        await asyncio.to_thread(child.stop)
+
+
+async def _restart_running_shards(config: AppConfig, keyspace: KeySpace, plan: Any
+                                  ) -> list[str]:
+    """Unassign the handed-over shards' (fenced) primaries: the app's allocator, if the
+    app runs, assigns them afresh, and the new primaries recover the backfilled state."""
+    from streamkit.app.shard_api import unassign_shards
+
+    response = await unassign_shards(keyspace, config.keyspace_root,
+                                     [shard.shard_id for shard in plan.shards])
+    if response.status != consumer_pb.OK:
+        warn("could not restart the app's running shards "
+             f"({consumer_pb.Status.Name(response.status)}): restart `streamkit run`")
+        return []
+    return list(response.shards)
+
+
+def _echo_plan(summary: dict[str, Any]) -> None:
+    rows = []
+    for shard in summary["shards"]:
+        for j in shard["journals"]:
+            via = format_size(j["bytes_via_broker"]) if j["bytes_via_broker"] else "-"
+            rows.append([shard["shard"], j["journal"], f"[{j['begin']}, {j['end']})",
+                         format_size(j["end"] - j["begin"]),
+                         f"{j['fragments']} ({j['direct_fragments']} direct)", via])
+    echo_table(["SHARD", "JOURNAL", "OFFSETS", "BYTES", "FRAGMENTS", "VIA BROKER"], rows)
+    total = sum(j["end"] - j["begin"] for s in summary["shards"] for j in s["journals"])
+    broker = sum(j["bytes_via_broker"] for s in summary["shards"] for j in s["journals"])
+    missing = sum(j["bytes_missing"] for s in summary["shards"] for j in s["journals"])
+    notes = [f"{plural(len(summary['shards']), 'shard')}, {format_size(total)} to read",
+             f"{format_size(total - broker - missing)} from fragment files",
+             f"{format_size(broker)} through the broker"]
+    if missing:
+        notes.append(f"{format_size(missing)} no longer in any fragment (skipped)")
+    size = summary["txn_size"]
+    txns = f"{size} messages per transaction" if size else "transactions of max_duration"
+    click.echo(f"{', '.join(notes)}; store {summary['store']}, {txns}", err=True)
+
+
+def _echo_results(results: list[dict[str, Any]]) -> None:
+    rows = [[r["shard_id"], r["messages"], r["transactions"],
+             ", ".join(f"{j}@{o}" for j, o in sorted(r["read_through"].items())),
+             f"{plural(r['files'], 'file')}, {format_size(r['state_bytes'])}"
+             if r["files"] else "-", f"{r['seconds']:.1f}s"]
+            for r in sorted(results, key=lambda r: r["shard_id"])]
+    echo_table(["SHARD", "MESSAGES", "TXNS", "READ THROUGH", "STATE", "TIME"], rows)
+
+
+def _progress_printer() -> Any:
+    def show(p: Any) -> None:
+        failed = f", {p.failed} failed" if p.failed else ""
+        click.echo(f"backfill: {p.done}/{p.shards} shards done, {p.running} running"
+                   f"{failed} ({p.elapsed:.1f}s)", err=True)
+
+    return show
+
+
+@click.command("backfill")
+@click.argument("app_dir", default=".", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--spark", "use_spark", is_flag=True,
+              help="Run the backfill on Spark (PySpark and Java 17+ needed).")
+@click.option("--plan", "plan_only", is_flag=True,
+              help="Print the plan (shards, journals, offsets, fragments) and stop.")
+@click.option("--json", "as_json", is_flag=True, help="With --plan: the plan as JSON.")
+@click.option("--master", default="local[*]", show_default=True,
+              help="Spark master: local[*], local[N], or a cluster's URL.")
+@click.option("--spark-conf", multiple=True, metavar="KEY=VALUE",
+              help="Extra Spark configuration (repeatable).")
+@click.option("--broker", default=None, metavar="HOST:PORT",
+              help="The broker serving the app's journals (default: the app's bundled one).")
+@click.option("--port", type=click.IntRange(1, 65534), default=DEFAULT_BROKER_PORT,
+              show_default=True, help="Port of the bundled broker.")
+@click.option("--keyspace", default=None, help="KeySpace (default: .streamkit/keyspace.db).")
+@click.option("--fragment-root", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the broker's file:// fragment store is (read directly by executors; "
+                   "default for the bundled broker: .streamkit/broker/fragments).")
+@click.option("--end", "ends", multiple=True, metavar="JOURNAL=OFFSET",
+              help="Stop reading JOURNAL at OFFSET (repeatable; default: the write heads).")
+@click.option("--store", type=click.Choice(STORE_KINDS), default=None,
+              help="Store kind, overriding streamkit.yaml (as for `run`).")
+@click.option("--txn-size", type=click.IntRange(1), default=None,
+              help="Messages per transaction (default: transactions last the shards' "
+                   "max_duration, as live ones).")
+@click.option("--log-level", default="WARNING", show_default=True,
+              envvar="STREAMKIT_LOG_LEVEL")
+@async_command()
+async def backfill(app_dir: Path, use_spark: bool, plan_only: bool, as_json: bool, master: str,
+                   spark_conf: tuple[str, ...], broker: str | None, port: int,
+                   keyspace: str | None, fragment_root: Path | None, ends: tuple[str, ...],
+                   store: str | None, txn_size: int | None, log_level: str) -> None:
+    """Recompute APP_DIR's state (default: the current folder) from its journals' history."""
+    from streamkit.backfill.errors import BackfillError
+    from streamkit.backfill.plan import make_plan, parse_ends
+
+    configure_logging(log_level)
+    if not use_spark and not plan_only:
+        raise CliError("a backfill runs on Spark: add --spark (or --plan to see what it "
+                       "would read)", DATA_ERROR)
+    started = time.monotonic()
+    spark: asyncio.Future[Any] | None = None
+    try:
+        conf = dict(_key_value(item) for item in spark_conf)
+        end_offsets = parse_ends(ends)
+        config, _ = _app_config(app_dir, None, None, store)
+        if use_spark and not plan_only:
+            spark = asyncio.ensure_future(asyncio.to_thread(_start_spark, master, conf))
+        keyspace_url = _keyspace_url(config, keyspace)
+        async with (
+            _broker(config, broker, port, keyspace_url, fragment_root) as (address, root),
+            BrokerClient(address) as client,
+            open_keyspace(keyspace_url) as ks,
+        ):
+            specs = await _shard_specs(config, ks)
+            plan = await make_plan(config, client, specs, broker=address,
+                                   keyspace=_absolute(keyspace_url), fragment_root=root,
+                                   ends=end_offsets, txn_size=txn_size or 0)
+            if plan_only:
+                if as_json:
+                    echo_json(plan.summary())
+                else:
+                    _echo_plan(plan.summary())
+                return
+            assert spark is not None
+            sc, spark_seconds = await spark  # Java and PySpark work: now change things
+            spark = None
+            await deploy(config, client, ks)  # recovery logs, outputs, shard specs
+            _echo_plan(plan.summary())
+            try:
+                ran = time.monotonic()
+                results = await asyncio.to_thread(_run_spark, plan, sc)
+                ran = time.monotonic() - ran
+            except BackfillError as error:
+                raise CliError(f"{error}\n(shards handed over before this failure keep "
+                               "their backfilled state; a running `streamkit run` must be "
+                               "restarted to serve it)") from None
+            finally:
+                await asyncio.to_thread(_stop_spark, sc)
+            restarted = await _restart_running_shards(config, ks, plan)
+        _echo_results(results)
+        click.echo(f"handed over {plural(len(results), 'shard')}: `streamkit run` continues "
+                   "from the offsets above", err=True)
+        if restarted:
+            click.echo(f"restarted {plural(len(restarted), 'running shard')} on the backfilled "
+                       "state (their primaries were fenced)", err=True)
+        click.echo(f"backfill took {time.monotonic() - started:.1f}s (Spark start "
+                   f"{spark_seconds:.1f}s, shards {ran:.1f}s)", err=True)
+    except BackfillError as error:
+        raise CliError(str(error)) from None
+    finally:
+        if spark is not None:  # started, but planning failed: stop it again
+            with contextlib.suppress(BaseException):
+                sc, _ = await spark
+                await asyncio.to_thread(_stop_spark, sc)
+
+
+def _absolute(keyspace_url: str) -> str:
+    """A KeySpace file path made absolute (executors needn't share our working directory)."""
+    return keyspace_url if "://" in keyspace_url else str(Path(keyspace_url).resolve())
+
+
+def _key_value(item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise CliError(f"--spark-conf {item!r}: expected KEY=VALUE", DATA_ERROR)
+    return key, value
+
+
+def _start_spark(master: str, conf: dict[str, str]) -> tuple[Any, float]:
+    """A SparkContext, started while the plan is made; (context, seconds it took)."""
+    from streamkit.backfill.spark import spark_context
+
+    started = time.monotonic()
+    click.echo(f"starting Spark ({master})...", err=True)
+    return spark_context(master, conf), time.monotonic() - started
+
+
+def _stop_spark(sc: Any) -> None:
+    from streamkit.backfill.spark import stop_context
+
+    stop_context(sc, exiting=True)  # the command ends right after
+
+
+def _run_spark(plan: Any, sc: Any) -> list[dict[str, Any]]:
+    from streamkit.backfill.spark import run_on_spark
+
+    return run_on_spark(plan, sc=sc, progress=_progress_printer())
