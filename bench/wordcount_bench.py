@@ -234,7 +234,10 @@ async def bench(broker: BrokerProcess, tmp: Path, args: argparse.Namespace) -> d
     app = tmp / "wordcount"
     shutil.copytree(ROOT / "examples" / "wordcount", app,
                     ignore=shutil.ignore_patterns(".streamkit", "__pycache__"))
-    text = (app / "streamkit.yaml").read_text().replace("kind: rocksdb", f"kind: {args.store}")
+    store = f"kind: {args.store}"
+    if args.store == "sql":  # a real PostgreSQL server (see tests/postgres.py)
+        store += f"\n  url: {args.sql_url}"
+    text = (app / "streamkit.yaml").read_text().replace("kind: rocksdb", store)
     (app / "streamkit.yaml").write_text(text)
     config = load_config(app)
     all_lines = lines_file(args.lines + args.live).read_text().splitlines()
@@ -293,6 +296,8 @@ def main() -> None:
     parser.add_argument("--store", default="rocksdb",
                         choices=["rocksdb", "sqlite", "json", "sql"])
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--sql-url", default=None,
+                        help="database of --store sql (default: a PostgreSQL server started here)")
     parser.add_argument("--live", type=int, default=0, help="lines published while running")
     parser.add_argument("--recovery", action="store_true")
     parser.add_argument("--failover", type=int, default=0, metavar="ROUNDS",
@@ -304,6 +309,12 @@ def main() -> None:
     if args.failover:
         lines = lines_file(args.lines).read_text().splitlines()
         results = with_broker(lambda broker, tmp: failover(broker, tmp, lines, args.failover))
+    elif args.store == "sql" and not args.sql_url:
+        from tests.postgres import PostgresServer
+
+        with PostgresServer() as server:
+            args.sql_url = server.url
+            results = with_broker(lambda broker, tmp: bench(broker, tmp, args))
     else:
         results = with_broker(lambda broker, tmp: bench(broker, tmp, args))
     results["machine"] = machine()
