@@ -163,8 +163,13 @@ class Replica:
         except asyncio.CancelledError:
             raise
         except BaseException as error:
-            if is_fenced(error) and not self._stopping.is_set():
-                await self._fenced(error)
+            if is_fenced(error):
+                if self._stopping.is_set():  # handed over while stopping: nothing is lost
+                    log.info("shard %s: fenced while stopping (%s)", self.id, error)
+                    self._set_status(Code.IDLE)
+                    await self._release()
+                else:
+                    await self._fenced(error)
                 return
             message = f"{type(error).__name__}: {error}" if str(error) else repr(error)
             if isinstance(error, TransactionFailed):

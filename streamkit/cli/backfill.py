@@ -31,7 +31,7 @@ from streamkit.cli.children import Child, port_in_use
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command, warn
 from streamkit.cli.logs import configure_logging
 from streamkit.cli.output import echo_json, echo_table, format_size, plural
-from streamkit.cli.run import DEFAULT_BROKER_PORT, _app_config, _keyspace_url, _start_broker
+from streamkit.cli.run import DEFAULT_BROKER_PORT, app_config, keyspace_url_of, start_bundled_broker
 from streamkit.client import BrokerClient
 from streamkit.keyspace import open_keyspace
 from streamkit.keyspace.keyspace import KeySpace
@@ -62,7 +62,7 @@ async def _broker(config: AppConfig, broker: str | None, port: int, keyspace_url
     if port_in_use(port):
         yield f"127.0.0.1:{port}", root if root.is_dir() else None
         return
-    child: Child = _start_broker(config, port, keyspace_url)
+    child: Child = start_bundled_broker(config, port, keyspace_url)
     try:
         yield f"127.0.0.1:{port}", root
     finally:
@@ -170,10 +170,10 @@ async def backfill(app_dir: Path, use_spark: bool, plan_only: bool, as_json: boo
     try:
         conf = dict(_key_value(item) for item in spark_conf)
         end_offsets = parse_ends(ends)
-        config, _ = _app_config(app_dir, None, None, store)
+        config, _ = app_config(app_dir, None, None, store)
         if use_spark and not plan_only:
             spark = asyncio.ensure_future(asyncio.to_thread(_start_spark, master, conf))
-        keyspace_url = _keyspace_url(config, keyspace)
+        keyspace_url = keyspace_url_of(config, keyspace)
         async with (
             _broker(config, broker, port, keyspace_url, fragment_root) as (address, root),
             BrokerClient(address) as client,

@@ -33,7 +33,8 @@ from streamkit.client import BrokerClient
 from streamkit.keyspace import open_keyspace
 from streamkit.keyspace.keyspace import KeySpace
 
-__all__ = ["run", "serve"]
+__all__ = ["DEFAULT_BROKER_PORT", "app_config", "keyspace_url_of", "run", "serve",
+           "start_bundled_broker"]
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ DEFAULT_BROKER_PORT = 8080
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
-def _app_config(app_dir: Path, shards: int | None, standbys: int | None,
+def app_config(app_dir: Path, shards: int | None, standbys: int | None,
                 store: str | None) -> tuple[AppConfig, type]:
     """The app's streamkit.yaml with the command line's overrides, and its Application."""
     config = load_config(app_dir)
@@ -54,7 +55,7 @@ def _app_config(app_dir: Path, shards: int | None, standbys: int | None,
     return config, app_class
 
 
-def _keyspace_url(config: AppConfig, keyspace: str | None) -> str:
+def keyspace_url_of(config: AppConfig, keyspace: str | None) -> str:
     return keyspace or str(config.data_dir / "keyspace.db")
 
 
@@ -124,7 +125,7 @@ async def _until_signalled() -> None:
     await stop.wait()
 
 
-def _start_broker(config: AppConfig, port: int, keyspace_url: str) -> Child:
+def start_bundled_broker(config: AppConfig, port: int, keyspace_url: str) -> Child:
     if port_in_use(port) or port_in_use(port + 1):
         raise CliError(f"port {port} or {port + 1} is in use: is a broker already running? "
                        f"Pass --broker 127.0.0.1:{port} to use it, or --port to pick others",
@@ -166,15 +167,15 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
     from streamkit.cli.run_status import StatusView
 
     configure_logging(log_level)
-    config, app_class = _app_config(app_dir, shards, standbys, store)
+    config, app_class = app_config(app_dir, shards, standbys, store)
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    keyspace_url = _keyspace_url(config, keyspace)
+    keyspace_url = keyspace_url_of(config, keyspace)
     bundled: Child | None = None
     workers_: list[Child] = []
     file_root = None
     try:
         if broker is None:
-            bundled = _start_broker(config, port, keyspace_url)
+            bundled = start_bundled_broker(config, port, keyspace_url)
             broker = f"127.0.0.1:{port}"
             file_root = config.data_dir / "broker" / "fragments"
         # Workers start before this process opens gRPC channels: forking a process
@@ -229,9 +230,9 @@ async def serve(app_dir: Path, broker: str, keyspace: str | None, suffix: str | 
                 store: str | None, file_root: Path | None, log_level: str) -> None:
     """Run one member process of APP_DIR's shards until SIGTERM or Ctrl-C."""
     configure_logging(log_level)
-    config, app_class = _app_config(app_dir, None, None, store)
+    config, app_class = app_config(app_dir, None, None, store)
     suffix = suffix or f"{os.uname().nodename}-{os.getpid()}"
     async with BrokerClient(broker) as client, open_keyspace(
-            _keyspace_url(config, keyspace)) as ks, _member(
+            keyspace_url_of(config, keyspace)) as ks, _member(
             config, app_class, client, ks, suffix=suffix, broker_file_root=file_root):
         await _until_signalled()
