@@ -281,3 +281,26 @@ async def _writer(address: str, log: str, directory: Path) -> None:
 
 if __name__ == "__main__":
     asyncio.run(_writer(sys.argv[1], sys.argv[2], Path(sys.argv[3])))
+
+
+async def test_a_log_deposed_during_the_first_open_starts_afresh(
+    shared_broker: Any, tmp_path: Path
+) -> None:
+    """The first primary was fenced after its WAL was recorded but before the metadata
+    group that makes a database: the next primary opens an empty database, not a
+    directory RocksDB calls corrupt."""
+    async with BrokerClient(shared_broker.address) as client:
+        log = await new_log(client)
+        fs = await recover(client, log, tmp_path / "first")
+        with fs.open("000004.log", "wb") as wal:
+            wal.write(b"a WAL whose database was never recorded")
+        await fs.recorder.barrier()
+        await fs.recorder.close()
+        store, checkpoint = await reopen(client, log, tmp_path / "second")
+        assert checkpoint == consumer_pb.Checkpoint()
+        apply(store, 1)
+        await (await store.start_commit("s", checkpoint_of(1), []))
+        await close(store)
+        again, checkpoint = await reopen(client, log, tmp_path / "third")
+        assert checkpoint == checkpoint_of(1)
+        await close(again)

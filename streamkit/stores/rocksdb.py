@@ -197,6 +197,7 @@ class RocksDBStore(Store):
         self._pending = {}  # a previous assignment's uncommitted mutations are void
         if self._db is None:
             if self.observer is not None:
+                self._discard_half_created()
                 self.observer.adopt()
             self._db = await self._call(rocksdict.Rdict, str(self.path), self._options)
             await self._call(self._check_raw_mode)
@@ -247,6 +248,21 @@ class RocksDBStore(Store):
             self._executor.shutdown(wait=True)
 
     # --- internals ----------------------------------------------------------
+
+    def _discard_half_created(self) -> None:
+        """Empty a rebuilt directory that holds RocksDB files but no CURRENT.
+
+        A primary deposed while recording its database's very first open can
+        leave such a log: data files are recorded before the metadata group
+        that makes them a database. Nothing in it was ever committed (commits
+        start only after that group is durable), and RocksDB refuses to open
+        it, so it starts afresh; the removals are recorded by `adopt`.
+        """
+        if (self.path / "CURRENT").exists():
+            return
+        for entry in self.path.iterdir():
+            if entry.is_file() and entry.name != "rocksdict-config.json":
+                entry.unlink()
 
     def _check_usable(self) -> None:
         if self._destroyed:
