@@ -100,6 +100,8 @@ async def processed(resolver: Resolver) -> dict[str, int]:
         except OSError:
             continue
         for shard in status:
+            if shard.get("status") == "FAILED":
+                raise RuntimeError(f"shard {shard.get('id')} failed: {shard.get('errors')}")
             if shard.get("status") == "PRIMARY":
                 for journal, offset in shard.get("read_through", {}).items():
                     out[journal] = max(out.get(journal, 0), offset)
