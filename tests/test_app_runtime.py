@@ -258,3 +258,22 @@ async def test_fenced_primary_recovers_again(shared_broker: Any, tmp_path: Path)
         assert await replica.query({"word": "b"}) == 80
         await service.stop()
         assert await _read_counts(client, journals["outputs"]) == _expected(first + second)
+
+
+async def test_stop_with_the_broker_gone_abandons_the_transaction(
+    broker_proc: Any, tmp_path: Path
+) -> None:
+    """A graceful stop can't commit without a broker: it gives up after its timeout
+    rather than hanging (nothing uncommitted was acknowledged, so nothing is lost)."""
+    async with BrokerClient(broker_proc.address) as client:
+        base = unique_name("app")
+        journals = await _journals(client, base, 1)
+        specs = _specs(base, journals["inputs"])
+        service = Service(_runtime(WordCount, client, tmp_path, journals["outputs"]))
+        await service.assign(specs, {sid: 0 for sid in specs})
+        await _publish_lines(client, journals["inputs"], ["a b"] * 20)
+        await _wait_processed(service, client, journals["inputs"])
+        broker_proc.kill()
+        started = asyncio.get_running_loop().time()
+        await service.stop(timeout=1.0)
+        assert asyncio.get_running_loop().time() - started < 5

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 Code = consumer_pb.ReplicaStatus.Code
 
+STOP_TIMEOUT = 20.0  # seconds a graceful stop may take before the transaction is abandoned
 _MAX_FENCES = 3  # times a primary may be fenced and recover again within the window
 _FENCE_WINDOW = 60.0
 
@@ -121,14 +122,27 @@ class Replica:
             self._guard(self._primary(previous)), name=f"primary:{self.id}"
         )
 
-    async def stop(self) -> None:
-        """Stop: a primary finishes its transaction, commits, writes hints; then release."""
+    async def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Stop: a primary finishes its transaction, commits, writes hints; then release.
+
+        If that takes longer than `timeout` (the broker is unreachable, say),
+        the transaction in progress is abandoned: it was never acknowledged,
+        so the next primary simply does it again.
+        """
         self._stopping.set()
         task = self._task
         if task is not None:
+            done, _ = await asyncio.wait((task,), timeout=timeout)
+            if not done:
+                log.warning("shard %s: not stopped within %.0fs; abandoning its uncommitted "
+                            "transaction", self.id, timeout)
+                task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-        await self._release()
+        try:
+            await asyncio.wait_for(self._release(), timeout)
+        except TimeoutError:
+            log.warning("shard %s: releasing took over %.0fs; left behind", self.id, timeout)
 
     async def wait(self) -> None:
         """Until the replica's task ended (a stopped or failed shard)."""

@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 
-from streamkit.app.replica import Replica, Runtime
+from streamkit.app.replica import STOP_TIMEOUT, Replica, Runtime
 from streamkit.protocol import consumer_pb
 
 __all__ = ["Service"]
@@ -62,17 +62,17 @@ class Service:
                 replica.start_primary()
             self._slots[shard_id] = slot
 
-    async def stop(self) -> None:
+    async def stop(self, timeout: float = STOP_TIMEOUT) -> None:
         """Stop every replica gracefully (primaries commit what they consumed)."""
-        await asyncio.gather(*(self._drop(shard_id) for shard_id in list(self.replicas)))
+        await asyncio.gather(*(self._drop(shard_id, timeout) for shard_id in list(self.replicas)))
 
     def statuses(self) -> dict[str, consumer_pb.ReplicaStatus]:
         return {shard_id: replica.status for shard_id, replica in self.replicas.items()}
 
-    async def _drop(self, shard_id: str) -> None:
+    async def _drop(self, shard_id: str, timeout: float = STOP_TIMEOUT) -> None:
         replica = self.replicas.pop(shard_id)
         self._slots.pop(shard_id, None)
-        await replica.stop()
+        await replica.stop(timeout)
         watcher = self._watchers.pop(shard_id, None)
         if watcher is not None:
             watcher.cancel()
