@@ -7,7 +7,8 @@ for anything. The README's ```bash blocks are scripts meant to be pasted whole.
 
 Commands run for real in a temporary folder, against a real `streamkit run`
 on free ports: the docs' default ports (8080 and 8081 for an app's broker,
-9090 and 9091 for the standalone one) are rewritten, and STREAMKIT_BROKER
+9090 and 9091 for the standalone one) are rewritten, `streamkit run` and
+`streamkit backfill` are given the app's `--port`, and STREAMKIT_BROKER
 points the other commands at the app's broker. Shown output is checked line by
 line (in order, possibly with other lines in between; JSON is compared as
 JSON), retrying read-only commands until the app has caught up.
@@ -51,7 +52,8 @@ DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 TUTORIAL = DOCS / "getting-started.md"
 CONCEPTS = [DOCS / "concepts" / f"{name}.md" for name in (
-    "journals", "messages", "shards-and-transactions", "stores-and-recovery-logs")]
+    "journals", "messages", "shards-and-transactions", "stores-and-recovery-logs",
+    "backfills")]
 # Install steps: run by .ci/run itself on every CI run (a fresh venv, then pip install -e).
 INSTALL = ["python3 -m venv .venv", ". .venv/bin/activate", "pip install -e ."]
 README_INSTALL = " && ".join(INSTALL)
@@ -62,7 +64,9 @@ READERS = ("streamkit query", "streamkit journals read", "streamkit journals lis
            "streamkit journals fragments", "streamkit shards list", "streamkit shards stat",
            "streamkit shards hints")
 # Commands still being built when these docs were written: the reference leaves them out.
-NOT_YET_DOCUMENTED = {("backfill",)}
+NOT_YET_DOCUMENTED: set[tuple[str, ...]] = set()
+# Commands that find the app's bundled broker by its port, as `streamkit run` starts it.
+BUNDLED_PORT = (("run",), ("backfill",))
 BACKGROUND = ("streamkit run", "streamkit serve", "streamkit broker serve")
 
 pytestmark = pytest.mark.timeout(600)
@@ -291,8 +295,10 @@ class Session:
         text = re.sub(r"(?<=[:\s])(8080|8081|9090|9091)\b", lambda m: str(ports[m.group(1)]),
                       text)
         for args in streamkit_invocations(text):
-            if subcommand(args)[0] == ("run",) and not {"--port", "--broker"} & set(args):
-                text = re.sub(r"\bstreamkit run\b", f"streamkit run --port {self.port}", text,
+            path = subcommand(args)[0]
+            if path in BUNDLED_PORT and not {"--port", "--broker"} & set(args):
+                name = " ".join(("streamkit", *path))
+                text = re.sub(rf"\b{name}\b(?! --port)", f"{name} --port {self.port}", text,
                               count=1)
         return text
 
@@ -484,7 +490,8 @@ def test_every_documented_streamkit_command_exists() -> None:
 
 
 def test_getting_started_runs(session: Session) -> None:
-    """The tutorial, for real: new, run, publish, query, shards, Ctrl-C, run again, query."""
+    """The tutorial, for real: new, run, publish, query, shards, Ctrl-C, run again, query,
+    then a backfill on Spark under the running app, and the run going on from it."""
     shown = commands(TUTORIAL)
     assert [c.text for c in shown[:len(INSTALL)]] == INSTALL
     ci = (ROOT / ".ci" / "run").read_text()
@@ -492,6 +499,9 @@ def test_getting_started_runs(session: Session) -> None:
     assert re.search(r"pip install .*-e '?\.", ci), ".ci/run installs the checkout"
     runs = [c for c in shown if c.text.startswith("streamkit run ")]
     assert len(runs) == 2, "the tutorial runs the app, stops it and runs it again"
+    backfills = [c for c in shown if c.text.startswith("streamkit backfill ")]
+    assert any("--spark" in c.text and "--plan" not in c.text for c in backfills), (
+        "the tutorial runs a backfill")
     run_page(session, TUTORIAL, skip=len(INSTALL))
     session.stop_app()
     for log in (".bg-1.err", ".bg-2.err"):  # both runs stopped gracefully
