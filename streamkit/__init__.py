@@ -4,6 +4,14 @@ The names users import. Lower layers stay importable on their own
 (`streamkit.client`, `streamkit.message`, `streamkit.protocol`, ...).
 """
 
+import os
+
+# Set before grpc is first imported. streamkit's processes fork only to exec (workers,
+# the bundled broker, Spark's JVM) or before any channel exists (Spark's Python
+# daemon), so gRPC's fork handlers have nothing to protect; left on, they run when
+# a fork races gRPC's threads and print warnings (or worse) from the child.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 from streamkit.app.application import Application, QueryError
 from streamkit.app.publishing import ShardPublisher
 from streamkit.app.shard import Shard
