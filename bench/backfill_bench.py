@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import shutil
@@ -44,7 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine, with_broker  # noqa: E402
+from bench.common import report, with_broker  # noqa: E402
 from bench.wordcount_bench import (  # noqa: E402
     TOPIC,
     heads,
@@ -194,12 +193,7 @@ def main() -> None:
     args = parser.parse_args()
     assert TOPIC == "wordcount/lines"
     results = with_broker(lambda broker, tmp: bench(broker, tmp, args))
-    results["machine"] = machine()
-    if args.json:
-        print(json.dumps(results))
-    else:
-        for key, value in results.items():
-            print(f"{key:>32}: {value}")
+    report(results, args.json)
 
 
 if __name__ == "__main__":

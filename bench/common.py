@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import platform
 import tempfile
@@ -48,3 +49,14 @@ def with_broker(main: Callable[[BrokerProcess, Path], Coroutine[Any, Any, T]]) -
             return asyncio.run(main(broker, Path(tmp)))
         finally:
             broker.kill()
+
+
+def report(results: dict[str, Any], as_json: bool) -> None:
+    """Print a benchmark's results: one JSON line, or aligned `name: value` lines."""
+    results["machine"] = machine()
+    if as_json:
+        print(json.dumps(results))
+        return
+    width = max(len(key) for key in results)
+    for key, value in results.items():
+        print(f"{key:>{width}}: {value}")

@@ -41,7 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine, with_broker  # noqa: E402
+from bench.common import report, with_broker  # noqa: E402
 from streamkit.app.config import load_config  # noqa: E402
 from streamkit.app.member import deploy  # noqa: E402
 from streamkit.app.resolver import Resolver  # noqa: E402
@@ -319,12 +319,7 @@ def main() -> None:
             results = with_broker(lambda broker, tmp: bench(broker, tmp, args))
     else:
         results = with_broker(lambda broker, tmp: bench(broker, tmp, args))
-    results["machine"] = machine()
-    if args.json:
-        print(json.dumps(results))
-    else:
-        for key, value in results.items():
-            print(f"{key:>36}: {value}")
+    report(results, args.json)
 
 
 if __name__ == "__main__":

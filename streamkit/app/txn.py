@@ -44,7 +44,7 @@ from streamkit.message.message import Envelope
 from streamkit.protocol import consumer_pb
 from streamkit.stores.store import Store
 
-__all__ = ["TransactionFailed", "TransactionLoop", "reappend_ack_intents"]
+__all__ = ["TransactionFailed", "TransactionLoop", "awaitable_hook", "reappend_ack_intents"]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ _CHECK_EVERY = 16
 _YIELD_AFTER = 0.02  # seconds of consuming after which the loop yields regardless of count
 
 
-def _hook(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
+def awaitable_hook(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
     """An awaitable form of a hook that may be plain or a coroutine function."""
     if inspect.iscoroutinefunction(fn):
         return fn
@@ -101,9 +101,9 @@ class TransactionLoop:
         self.wait_for_ack = not spec.disable_wait_for_ack
         self.metrics = SHARD_METRICS.labels_for(shard.id)
         self._async_consume = inspect.iscoroutinefunction(app.consume_message)
-        self._begin = _hook(app.begin_txn)
-        self._finalize = _hook(app.finalize_txn)
-        self._finished = _hook(app.finished_txn)
+        self._begin = awaitable_hook(app.begin_txn)
+        self._finalize = awaitable_hook(app.finalize_txn)
+        self._finished = awaitable_hook(app.finished_txn)
         self._previous: asyncio.Task[None] | None = None
         self.last_commit: float | None = None  # wall time the last transaction was acknowledged
         # Held from a transaction's first message until its commit started: queries take it

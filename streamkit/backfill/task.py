@@ -42,7 +42,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,7 @@ from streamkit.app.checkpoints import build_checkpoint, producer_states, start_o
 from streamkit.app.publishing import ShardPublisher
 from streamkit.app.shard import Shard
 from streamkit.app.store_kinds import build_store, records_to_log
-from streamkit.app.txn import reappend_ack_intents
+from streamkit.app.txn import awaitable_hook, reappend_ack_intents
 from streamkit.backfill.errors import BackfillError
 from streamkit.backfill.handover import hand_over
 from streamkit.backfill.plan import BackfillPlan, ShardPlan
@@ -95,16 +95,6 @@ class ShardResult:
     cpu_seconds: float = 0.0  # of this process (a Spark worker runs one task at a time)
 
 
-def _hook(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
-    if inspect.iscoroutinefunction(fn):
-        return fn
-
-    async def call(*args: Any) -> Any:
-        return fn(*args)
-
-    return call
-
-
 class TransactionRunner:
     """Sequences envelope batches and runs the Application's transactions over them.
 
@@ -137,9 +127,9 @@ class TransactionRunner:
         self.transactions = 0
         self.checkpoint = consumer_pb.Checkpoint()
         self._in_txn = 0  # messages consumed by the open transaction (0: none is open)
-        self._begin = _hook(app.begin_txn)
-        self._finalize = _hook(app.finalize_txn)
-        self._finished = _hook(app.finished_txn)
+        self._begin = awaitable_hook(app.begin_txn)
+        self._finalize = awaitable_hook(app.finalize_txn)
+        self._finished = awaitable_hook(app.finished_txn)
         self._async_consume = inspect.iscoroutinefunction(app.consume_message)
 
     async def run(self, batches: AsyncIterator[list[Envelope]]) -> consumer_pb.Checkpoint:
