@@ -21,9 +21,11 @@ transaction commits, so readers see them exactly once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
+    from streamkit.app.producer import EnvelopeReader
     from streamkit.app.publishing import ShardPublisher
     from streamkit.app.shard import Shard
     from streamkit.client.append_service import OpFuture
@@ -61,6 +63,37 @@ class Application:
     def new_message(self, journal: str) -> type:
         """The message type of a source journal (default: `message_type`)."""
         return self.message_type
+
+    def read_sources(
+        self, shard: Shard, store: Store, offsets: dict[str, int]
+    ) -> Sequence[EnvelopeReader] | None:
+        """Readers of the uncommitted envelopes the shard consumes, starting at `offsets`.
+
+        Lets an application choose its inputs (Gazette's StartReadingMessages).
+        `offsets` maps journals to where the checkpoint (or the spec's minimum)
+        says to resume. None: the runtime reads the spec's sources itself.
+        """
+        return None
+
+    def replay_range(
+        self, shard: Shard, store: Store, journal: str, begin: int, end: int
+    ) -> EnvelopeReader | None:
+        """A reader of [begin, end) of `journal`, which the sequencer needs re-read.
+
+        Pairs with `read_sources` for inputs the runtime can't re-read itself.
+        None: the runtime reads the range from the broker.
+        """
+        return None
+
+    def read_through(
+        self, shard: Shard, store: Store, offsets: dict[str, int]
+    ) -> dict[str, int]:
+        """The shard's source offsets that a Stat request's `offsets` correspond to.
+
+        For applications whose inputs are derived from other journals, so a
+        client can wait on the journals it wrote (Gazette's ReadThrough).
+        """
+        return offsets
 
     def begin_txn(self, shard: Shard, store: Store) -> Any:
         """Called before the first message of each transaction."""

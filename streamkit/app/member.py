@@ -179,6 +179,10 @@ class Member:
                     state.items, {i: s for i, s in slots.items() if i not in renewed}
                 )
             await self.service.assign(state.items, slots)
+            for item, a in mine.items():
+                replica = self.service.replicas.get(item)
+                if replica is not None:
+                    replica.shard.assignment = a
             seen = {item: (a.slot, a.create_revision) for item, a in mine.items()}
             await self._report(mine)
             await first_of([allocator.wait_for_change(state.revision), changed.wait()])

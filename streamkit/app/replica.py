@@ -215,7 +215,9 @@ class Replica:
             return
         log.warning("shard %s: fenced by another author of its recovery log (%s); "
                     "recovering again", self.id, error)
+        assignment = self.shard.assignment
         self.shard = self._new_shard(self.shard.spec)
+        self.shard.assignment = assignment
         self._task = asyncio.create_task(self._guard(self._primary(None)),
                                          name=f"primary:{self.id}")
 
@@ -289,10 +291,21 @@ class Replica:
         offsets = start_offsets(cp, min_offsets)
         shard.progress.update(offsets, {})
         ring = shard.spec.ring_buffer_size or 8192
+        # The application may read journals beyond the spec's: resume those where the
+        # checkpoint says too (the Sequencer tracks any journal it is fed).
+        app_offsets = {j: s.read_through for j, s in cp.sources.items()} | offsets
+        readers = self.app.read_sources(shard, store, dict(app_offsets))
+        if readers is not None:
+            readers, offsets = list(readers), app_offsets
         sequencer = Sequencer(producer_states(cp), ring, offsets=offsets)
-        types = {journal: self.app.new_message(journal) for journal in offsets}
-        source = SourceInput(shard.client, sequencer, offsets, types, file_root=runtime.file_root,
-                             shard_id=shard.id)
+        journals = set(offsets) | {r.journal for r in readers or ()}
+        types = {journal: self.app.new_message(journal) for journal in journals}
+        app = self.app
+        source = SourceInput(
+            shard.client, sequencer, offsets, types, file_root=runtime.file_root,
+            shard_id=shard.id, readers=readers,
+            replay=lambda journal, begin, end: app.replay_range(shard, store, journal, begin, end),
+        )
         publisher = ShardPublisher(Publisher(shard.appends), shard.output)
         self.loop = TransactionLoop(shard, self.app, store, publisher, source)
         self._set_status(Code.PRIMARY)

@@ -15,6 +15,7 @@ from streamkit.protocol import consumer_pb
 from streamkit.protocol import recoverylog_pb2 as rpb
 
 if TYPE_CHECKING:
+    from streamkit.app.assignment import Assignment
     from streamkit.recoverylog.recorded_fs import RecordedFS
     from streamkit.stores.store import Store
 
@@ -66,6 +67,8 @@ class Shard:
     `appends` is the shard's AppendService: raw appends made through it
     during a transaction commit before the transaction does. `hints` are the
     recovery-log hints the shard recovered from (None without a log).
+    `assignment` is this member's Assignment of the shard, as last seen in the
+    KeySpace (None without an allocator), for hooks that depend on the slot.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class Shard:
         self.appends = AppendService(client)
         self.progress = Progress()
         self.hints: rpb.FSMHints | None = None
+        self.assignment: Assignment | None = None
         self.transactions = 0  # committed and acknowledged
         self.messages = 0  # consumed by committed transactions
         self._mappings = mappings

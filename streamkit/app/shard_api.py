@@ -440,9 +440,13 @@ class ShardAPI(consumer_grpc.ShardServicer):
         self, replica: Replica, request: consumer_pb.StatRequest
     ) -> consumer_pb.StatResponse:
         """Wait until the replica's committed progress covers the request, then answer."""
-        sources = set(replica.shard.sources)
-        wanted = {j: o for j, o in request.read_through.items() if j in sources}
+        asked = dict(request.read_through)
+        store = replica.store
+        if store is not None and asked:
+            asked = replica.app.read_through(replica.shard, store, asked)
         progress = replica.shard.progress
+        sources = set(replica.shard.sources) | set(progress.read_through)
+        wanted = {j: o for j, o in asked.items() if j in sources}
         while not progress.covers(wanted):
             if replica.status.code != PRIMARY:
                 return consumer_pb.StatResponse(

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from streamkit.app.metrics import LAG
+from streamkit.app.producer import EnvelopeReader
 from streamkit.client import BrokerClient
 from streamkit.message.framing import FrameDecoder, Framing
 from streamkit.message.message import Envelope, MessageLike
@@ -25,9 +26,18 @@ __all__ = ["SourceInput"]
 
 _REPLAY = QueueOutcome.ACK_COMMIT_REPLAY
 
+# (journal, begin, end) -> a reader of that range, or None for the default one
+ReplayFactory = Callable[[str, int, int], EnvelopeReader | None]
+
 
 class SourceInput:
-    """Committed envelopes of a shard's source journals, exactly once (see module docstring)."""
+    """Committed envelopes of a shard's source journals, exactly once (see module docstring).
+
+    `readers` replace the default ReadUncommitted of each journal of `offsets`
+    (an application choosing its inputs); `replay` may supply the reader of a
+    range the Sequencer needs again. Default readers decode strictly; custom
+    ones are trusted to deal with bad frames themselves.
+    """
 
     def __init__(
         self,
@@ -39,6 +49,8 @@ class SourceInput:
         max_batches: int = 64,
         file_root: Path | None = None,
         shard_id: str = "",
+        readers: Sequence[EnvelopeReader] | None = None,
+        replay: ReplayFactory | None = None,
     ) -> None:
         self.client = client
         self.sequencer = sequencer
@@ -53,15 +65,18 @@ class SourceInput:
         self._error: BaseException | None = None
         self._batch: list[Envelope] = []
         self._pos = 0
-        self._replay: ReadUncommitted | None = None
-        self._readers = [
+        self._replay: EnvelopeReader | None = None
+        self._replay_factory = replay
+        custom = readers is not None
+        self._readers: list[EnvelopeReader] = list(readers) if custom else [
             ReadUncommitted(
                 client, journal, self._types[journal], offset, True, file_root=file_root
             )
             for journal, offset in sorted(offsets.items())
         ]
         self._tasks = [
-            asyncio.create_task(self._read(reader), name=f"source:{reader.journal}")
+            asyncio.create_task(self._read(reader, strict=not custom),
+                                name=f"source:{reader.journal}")
             for reader in self._readers
         ]
 
@@ -129,26 +144,35 @@ class SourceInput:
 
     def _start_replay(self) -> None:
         journal, begin, end = self.sequencer.replay_range()
-        live = next(r for r in self._readers if r.journal == journal)
+        if self._replay_factory is not None:
+            replay = self._replay_factory(journal, begin, end)
+            if replay is not None:
+                self._replay = replay
+                return
+        live = next((r for r in self._readers if r.journal == journal), None)
         self._replay = ReadUncommitted(
             self.client,
             journal,
-            live.message_type,
+            getattr(live, "message_type", None) or self._types.get(journal, dict),
             begin,
             True,
-            live.framing,
+            getattr(live, "framing", None),
             end_offset=end,
             file_root=self._file_root,
         )
 
-    async def _read(self, reader: ReadUncommitted) -> None:
+    async def _read(self, reader: EnvelopeReader, *, strict: bool) -> None:
         lag = LAG.labels(self._shard_id, reader.journal)
         try:
-            framing = reader.framing or await journal_framing(self.client, reader.journal)
-            reader.framing = _Strict(framing)
+            if strict and isinstance(reader, ReadUncommitted):
+                framing = reader.framing or await journal_framing(self.client, reader.journal)
+                reader.framing = _Strict(framing)
             while True:
                 batch = await reader.read_batch()
-                lag.set(max(0, reader.write_head - reader.offset))
+                head = getattr(reader, "write_head", None)
+                offset = getattr(reader, "offset", None)
+                if head is not None and offset is not None:
+                    lag.set(max(0, head - offset))
                 if not batch:
                     await asyncio.sleep(0.01)  # the stream ended: the retry reader reopens
                     continue
