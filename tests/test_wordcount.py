@@ -36,13 +36,17 @@ def with_sql_url(app_dir: Path, url: str) -> None:
     config.write_text(text)
 
 
-@pytest.mark.parametrize("store", ["rocksdb", "sqlite", "json", "sql"])
+@pytest.mark.parametrize("store", ["rocksdb", "sqlite", "json", "sql", "sql-on-sqlite"])
 async def test_wordcount_counts_exactly(app_dir: Path, store: str, request: Any) -> None:
+    kind: str | None = store
     if store == "sql":
         with_sql_url(app_dir, request.getfixturevalue("postgres_url"))
+        kind = None  # streamkit.yaml names it, with the url
+    elif store == "sql-on-sqlite":
+        kind = "sql"  # no url: an SQLite file of the harness
     lines = generate_lines(2000)
     expected = Counter(word for line in lines for word in line.split())
-    async with AppHarness(app_dir, store=None if store == "sql" else store) as h:
+    async with AppHarness(app_dir, store=kind) as h:
         assert len(h.replicas) == 8
         await h.publish("wordcount/lines", ({"id": i, "line": line}
                                             for i, line in enumerate(lines[:1200])))

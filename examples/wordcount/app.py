@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import Column, Integer, MetaData, String, Table, text
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 import streamkit
@@ -118,20 +119,25 @@ class SQLCounts(Counts):
 
     async def add(self, deltas: Counter[str]) -> dict[str, int]:
         shard = self.store.shard_fqn
+        rows = [{"shard": shard, "word": w, "n": n} for w, n in deltas.items()]
 
         def upsert(conn: Any) -> dict[str, int]:
-            rows = conn.execute(text(
-                "INSERT INTO wordcount (shard, word, n) VALUES (:s, :w, :n)"
-                " ON CONFLICT (shard, word) DO UPDATE SET n = wordcount.n + excluded.n"
-                " RETURNING word, n"), [{"s": shard, "w": w, "n": n} for w, n in deltas.items()])
-            return dict(rows.all()) if rows.returns_rows else {}
+            """One multi-row INSERT ... ON CONFLICT per chunk, returning the new totals."""
+            insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+            totals: dict[str, int] = {}
+            for start in range(0, len(rows), _CHUNK):
+                stmt = insert(WORDCOUNT).values(rows[start:start + _CHUNK])
+                stmt = stmt.on_conflict_do_update(
+                    index_elements=["shard", "word"], set_={"n": WORDCOUNT.c.n + stmt.excluded.n})
+                totals.update(conn.execute(stmt.returning(WORDCOUNT.c.word, WORDCOUNT.c.n)).all())
+            return totals
 
-        if not deltas:
-            return {}
-        totals = await self.store.run(upsert)
-        if len(totals) != len(deltas):  # drivers without RETURNING for executemany
-            totals = {w: await self.get(w) for w in deltas}
-        return totals
+        return await self.store.run(upsert) if rows else {}
+
+
+_CHUNK = 2000  # rows per statement: 3 parameters each, well under the drivers' limits
+WORDCOUNT = Table("wordcount", MetaData(), Column("shard", String, primary_key=True),
+                  Column("word", String, primary_key=True), Column("n", Integer))
 
 
 def create_table(engine: Any) -> None:
