@@ -35,6 +35,7 @@ from streamkit.client.broker_client import normalize_address
 from streamkit.keyspace.keyspace import Compare, Delete, KeySpace, KeySpaceError, Op, Put
 from streamkit.protocol import consumer_pb, pb
 from streamkit.protocol import consumer_pb2_grpc as consumer_grpc
+from streamkit.protocol.apply import NO_CHECK, check_apply_changes
 from streamkit.protocol.labels import label_set, matches, union, validate_selector
 from streamkit.protocol.shard_spec import shard_id_problem, validate_shard_proto
 
@@ -62,7 +63,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 Code = consumer_pb.ReplicaStatus.Code
-NO_CHECK = -1  # expect_mod_revision that skips the revision check
 MAX_MESSAGE = 64 << 20
 _LOCAL_POLL = 0.25  # seconds between re-checks while a local replica becomes primary
 
@@ -156,34 +156,15 @@ async def list_shards(
 
 def check_changes(changes: Sequence[consumer_pb.ApplyRequest.Change]) -> None:
     """Raise BadRequest (or SpecError) naming the change and field that is wrong."""
-    if not changes:
-        raise BadRequest("Apply: changes: at least one change is required")
-    seen: set[str] = set()
+    check_apply_changes(changes, "shard", _upserted, _check_shard_id, BadRequest)
     for i, change in enumerate(changes):
-        upsert = change.HasField("upsert")
-        if upsert == bool(change.delete):
-            raise BadRequest(f"Apply: changes[{i}]: exactly one of upsert or delete is required")
-        if upsert:
-            validate_shard_proto(change.upsert)
-            shard = change.upsert.id
-        else:
-            shard = change.delete
-            _check_shard_id(shard, f"Apply: changes[{i}].delete")
-            if change.expect_mod_revision == 0:
-                raise BadRequest(
-                    f"Apply: changes[{i}]: deleting shard {shard!r} needs its "
-                    "mod revision (or -1 to skip the check), not 0"
-                )
-        if change.expect_mod_revision < NO_CHECK:
-            raise BadRequest(
-                f"Apply: changes[{i}]: expect_mod_revision must be >= -1 "
-                f"(got {change.expect_mod_revision})"
-            )
         if change.HasField("primary_hints"):
             _check_primary_hints(i, change)
-        if shard in seen:
-            raise BadRequest(f"Apply: changes[{i}]: shard {shard!r} is changed twice")
-        seen.add(shard)
+
+
+def _upserted(spec: consumer_pb.ShardSpec) -> str:
+    validate_shard_proto(spec)
+    return spec.id
 
 
 def _check_primary_hints(index: int, change: consumer_pb.ApplyRequest.Change) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -21,6 +21,7 @@ from streamkit.broker.appends import RolledBack, append, refusal
 from streamkit.broker.journals import ApplyConflict, JournalRegistry
 from streamkit.broker.reads import ReadStream
 from streamkit.protocol import pb, pb_grpc
+from streamkit.protocol.apply import check_apply_changes
 from streamkit.protocol.labels import labels_with_meta, matches, validate_selector
 from streamkit.protocol.spec import journal_name_problem, validate_proto
 
@@ -259,29 +260,13 @@ def _in_window(fragment: pb.Fragment, request: pb.FragmentsRequest) -> bool:
     return not (request.end_mod_time and mod_time >= request.end_mod_time)
 
 
-def _validate_changes(changes) -> None:
-    if not changes:
-        raise BadRequest("Apply: changes: at least one change is required")
-    seen: set[str] = set()
-    for i, change in enumerate(changes):
-        has_upsert = change.HasField("upsert")
-        if has_upsert == bool(change.delete):
-            raise BadRequest(f"Apply: changes[{i}]: exactly one of upsert or delete is required")
-        if has_upsert:
-            validate_proto(change.upsert)
-            name = change.upsert.name
-        else:
-            check_journal_name(change.delete, f"changes[{i}].delete")
-            name = change.delete
-            if change.expect_mod_revision == 0:
-                raise BadRequest(
-                    f"Apply: changes[{i}]: delete of {name!r} needs expect_mod_revision != 0"
-                )
-        if change.expect_mod_revision < -1:
-            raise BadRequest(f"Apply: changes[{i}]: expect_mod_revision must be >= -1")
-        if name in seen:
-            raise BadRequest(f"Apply: changes[{i}]: journal {name!r} is changed twice")
-        seen.add(name)
+def _validate_changes(changes: Sequence[pb.ApplyRequest.Change]) -> None:
+    check_apply_changes(changes, "journal", _upserted, check_journal_name, BadRequest)
+
+
+def _upserted(spec: pb.JournalSpec) -> str:
+    validate_proto(spec)
+    return spec.name
 
 
 def _validate_read(request: pb.ReadRequest) -> None:
