@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, NoReturn
 
 import click
 
 from streamkit.cli.errors import DATA_ERROR, FAILURE, CliError
+from streamkit.cli.inputs import read_text_input
 from streamkit.client import BrokerClient, EtcdTransactionFailed, list_journals
 from streamkit.client.listing import apply_journals_in_batches
 from streamkit.protocol import pb
@@ -171,14 +171,7 @@ async def _explain_conflict(
 
 def read_spec_file(path: str) -> list[SpecEntry]:
     """Load and validate a spec file ("-" for stdin); SpecError lists every problem."""
-    source = "<stdin>" if path == "-" else path
-    try:
-        text = click.get_text_stream("stdin").read() if path == "-" else Path(path).read_text()
-    except OSError as err:
-        raise CliError(f"cannot read spec file {source}: {err.strerror}", DATA_ERROR) from None
-    except UnicodeDecodeError as err:
-        raise CliError(f"cannot read spec file {source}: not UTF-8 text ({err.reason})",
-                       DATA_ERROR) from None
+    text, source = read_text_input(path, "spec file")
     return load_specs(text, source)
 
 

@@ -34,6 +34,7 @@ from streamkit.app.shard_api import (
     unassign_shards,
 )
 from streamkit.cli.errors import DATA_ERROR, FAILURE, CliError, async_command, warn
+from streamkit.cli.inputs import read_text_input
 from streamkit.cli.output import echo_json, echo_table, format_labels, plural
 from streamkit.client.broker_client import normalize_address
 from streamkit.keyspace import open_keyspace
@@ -296,14 +297,7 @@ def plan(entries: list[ShardEntry], current: Mapping[str, Listed]) -> list[Actio
 
 
 def _read_file(path: str) -> list[ShardEntry]:
-    source = "<stdin>" if path == "-" else path
-    try:
-        text = click.get_text_stream("stdin").read() if path == "-" else Path(path).read_text()
-    except OSError as err:
-        raise CliError(f"cannot read shard file {source}: {err.strerror}", DATA_ERROR) from None
-    except UnicodeDecodeError as err:
-        raise CliError(f"cannot read shard file {source}: not UTF-8 text ({err.reason})",
-                       DATA_ERROR) from None
+    text, source = read_text_input(path, "shard file")
     return load_shard_entries(text, source)
 
 
