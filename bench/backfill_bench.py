@@ -32,7 +32,6 @@ import asyncio
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,7 @@ from bench.wordcount_bench import (  # noqa: E402
     lines_file,
     publish_lines,
     start_run,
+    stop_run,
     wait_processed,
 )
 from streamkit.app.config import load_config  # noqa: E402
@@ -136,11 +136,7 @@ async def live_catch_up(app: Path, broker: BrokerProcess, tmp: Path, wanted: dic
         try:
             _, done = await wait_processed(resolver, wanted)
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_run(proc)
     return done - started
 
 

@@ -225,6 +225,15 @@ async def failover(broker: BrokerProcess, tmp: Path, lines: list[str], rounds: i
             "median_s": round(times[len(times) // 2], 2), "max_s": round(times[-1], 2)}
 
 
+def stop_run(proc: subprocess.Popen) -> None:
+    """Ctrl-C, as a user stops `streamkit run`; killed if it takes over a minute."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def start_run(app: Path, broker: BrokerProcess, workers: int, log: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "streamkit.cli.main", "run", str(app), "--broker",
@@ -282,11 +291,7 @@ async def bench(broker: BrokerProcess, tmp: Path, args: argparse.Namespace) -> d
                 _, done = await wait_processed(resolver, await heads(client, config))
                 results["recovery_s"] = round(done - t, 2)
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_run(proc)
         if proc.returncode not in (0, -signal.SIGINT):
             print(log.read_text()[-3000:], file=sys.stderr)
     return results
