@@ -4,17 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from streamkit.app.assignment import item_key
 from streamkit.client import BrokerClient
 from streamkit.client.listing import apply_journals, list_journals
 from streamkit.keyspace.keyspace import KeySpace
 from streamkit.protocol import consumer_pb, pb
 from streamkit.protocol.spec import JournalSpec
 
-__all__ = ["ensure_journals", "ensure_shard_specs", "shard_item_key"]
-
-
-def shard_item_key(root: str, shard_id: str) -> str:
-    return f"{root}/items/{shard_id}"
+__all__ = ["ensure_journals", "ensure_shard_specs"]
 
 
 async def ensure_journals(client: BrokerClient, specs: Iterable[JournalSpec]) -> int:
@@ -41,7 +38,7 @@ async def ensure_shard_specs(
     """Write shard specs that are missing or differ under `{root}/items/`; how many changed."""
     changed = 0
     for spec in specs:
-        key = shard_item_key(root, spec.id)
+        key = item_key(root, spec.id)
         data = spec.SerializeToString(deterministic=True)
         current = await keyspace.get(key)
         if current is None or current.value != data:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from streamkit.app.application import Application, QueryError
+from streamkit.app.assignment import item_key
 from streamkit.app.checkpoints import producer_states, start_offsets
 from streamkit.app.hints import load_hints, push_backup_hints, store_primary_hints
 from streamkit.app.publishing import ShardPublisher
@@ -98,7 +99,7 @@ class Replica:
 
     def _new_shard(self, spec: consumer_pb.ShardSpec) -> Shard:
         runtime = self.runtime
-        return Shard(spec, runtime.client, fqn=f"{runtime.keyspace_root}/items/{spec.id}",
+        return Shard(spec, runtime.client, fqn=item_key(runtime.keyspace_root, spec.id),
                      work_dir=runtime.work_dir / spec.id, mappings=runtime.mappings,
                      store_factory=runtime.store_factory)
 
