@@ -2,7 +2,8 @@
 
 * ``GET /metrics``: every metric of the process, in Prometheus text format.
 * ``GET /status``: a JSON list, one object per replica this process runs:
-  id, status, errors, read_through, publish_at, transactions, messages, last_commit.
+  id, status, errors, read_through, publish_at, transactions, messages, last_commit,
+  write_heads (as the shard's readers last heard them: lag without asking the broker).
 * ``POST /query/{shard}`` with a JSON object: the shard's `Application.query`
   answer as JSON. 404 when the shard isn't primary here, 400 for a body that
   isn't a JSON object or a QueryError, 500 for any other failure of the query.
@@ -47,6 +48,7 @@ def replica_status(replica: Replica) -> dict[str, Any]:
         "transactions": replica.shard.transactions,
         "messages": replica.shard.messages,
         "last_commit": loop.last_commit if loop is not None else None,
+        "write_heads": dict(loop.source.write_heads) if loop is not None else {},
     }
 
 

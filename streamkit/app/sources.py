@@ -57,6 +57,8 @@ class SourceInput:
         self._types = dict(message_types)
         self._file_root = file_root
         self._shard_id = shard_id
+        # Journal -> its write head as the broker last told a reader (for lag, without RPCs).
+        self.write_heads: dict[str, int] = {}
         self._queue: collections.deque[list[Envelope]] = collections.deque()
         self._max_batches = max_batches
         self._ready = asyncio.Event()
@@ -172,6 +174,7 @@ class SourceInput:
                 head = getattr(reader, "write_head", None)
                 offset = getattr(reader, "offset", None)
                 if head is not None and offset is not None:
+                    self.write_heads[reader.journal] = head
                     lag.set(max(0, head - offset))
                 if not batch:
                     await asyncio.sleep(0.01)  # the stream ended: the retry reader reopens

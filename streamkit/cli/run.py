@@ -193,7 +193,7 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
             await _wait_for_members(config, ks, workers_)
             async with _member(config, app_class, client, ks, suffix="worker-0",
                                broker_file_root=file_root):
-                view = StatusView(config, client, ks, live=status)
+                view = StatusView(config, ks, live=status)
                 viewing = asyncio.create_task(view.run())
                 try:
                     await _until_signalled()

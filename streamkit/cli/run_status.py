@@ -1,7 +1,8 @@
 """The live status of `streamkit run`: per shard, who serves it and how far it got.
 
 Assignments come from the KeySpace; progress from each member's HTTP
-`/status`; lag is the sources' write heads minus what the shard read through.
+`/status`; lag is the sources' write heads (as the shard's readers last heard
+them from the broker) minus what the shard read through.
 On a terminal it is a table redrawn every second; otherwise a summary line
 goes to stderr every ten seconds, so logs of long runs stay readable.
 """
@@ -21,7 +22,6 @@ import click
 from streamkit.app.assignment import parse_assignment_key
 from streamkit.app.config import AppConfig
 from streamkit.app.resolver import Resolver
-from streamkit.client import BrokerClient, write_head
 from streamkit.keyspace.keyspace import KeySpace
 from streamkit.protocol import consumer_pb
 
@@ -55,8 +55,7 @@ def _http_status(endpoint: str) -> list[dict[str, Any]]:
     return body if isinstance(body, list) else body.get("shards", [])
 
 
-async def collect(config: AppConfig, client: BrokerClient, keyspace: KeySpace
-                  ) -> list[ShardRow]:
+async def collect(config: AppConfig, keyspace: KeySpace) -> list[ShardRow]:
     """One snapshot of every shard's status."""
     root = config.keyspace_root
     rows = {shard_id: ShardRow(shard_id) for shard_id in config.shard_ids()}
@@ -75,8 +74,7 @@ async def collect(config: AppConfig, client: BrokerClient, keyspace: KeySpace
     for endpoint in set((await resolver.members()).values()):
         for entry in await asyncio.to_thread(_http_status, endpoint):
             progress[entry.get("id")] = entry
-    heads = {}
-    for index, shard_id in enumerate(config.shard_ids()):
+    for shard_id in config.shard_ids():
         row = rows[shard_id]
         entry = progress.get(shard_id)
         if entry is None:
@@ -85,21 +83,17 @@ async def collect(config: AppConfig, client: BrokerClient, keyspace: KeySpace
         row.read_through = sum(read_through.values())
         row.messages = entry.get("messages", 0)
         row.last_commit = entry.get("last_commit")
-        lag = 0
-        for journal in config.source_journals(index):
-            if journal not in heads:
-                heads[journal] = await write_head(client, journal)
-            lag += max(0, heads[journal] - read_through.get(journal, 0))
-        row.lag = lag
+        heads = entry.get("write_heads", {})
+        row.lag = sum(max(0, head - read_through.get(j, 0)) for j, head in heads.items())
     return list(rows.values())
 
 
 class StatusView:
     """Redraws (or logs) the shards' status until cancelled."""
 
-    def __init__(self, config: AppConfig, client: BrokerClient, keyspace: KeySpace,
+    def __init__(self, config: AppConfig, keyspace: KeySpace,
                  live: bool | None = None) -> None:
-        self.config, self.client, self.keyspace = config, client, keyspace
+        self.config, self.keyspace = config, keyspace
         self.live = sys.stdout.isatty() if live is None else live
         self._last: dict[str, tuple[float, int]] = {}
 
@@ -113,7 +107,7 @@ class StatusView:
                 await asyncio.sleep(10)
 
     async def _snapshot(self) -> list[ShardRow]:
-        rows = await collect(self.config, self.client, self.keyspace)
+        rows = await collect(self.config, self.keyspace)
         now = time.monotonic()
         for row in rows:
             before = self._last.get(row.shard)
