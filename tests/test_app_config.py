@@ -30,7 +30,7 @@ BASE: dict[str, Any] = {
     "sources": [
         {"topic": "lines", "partitions": 4, "content_type": "application/x-ndjson",
          "key": "user"},
-        {"topic": "config", "partitions": 1},
+        {"topic": "config", "partitions": 1, "read": "every-shard"},
     ],
     "outputs": [
         {"topic": "counts", "partitions": 3, "content_type": "application/x-ndjson",
@@ -133,7 +133,12 @@ def test_defaults_of_a_minimal_file(tmp_path: Path) -> None:
     ("sources", [], "sources: at least one source topic is required"),
     ("sources", _DELETE, "sources: is required"),
     ("sources.0.partitions", 0, "sources[0].partitions: must be ≥ 1 (got 0)"),
-    ("sources.0.partitions", 8, "sources[0].partitions: 8 partitions but 4 shards"),
+    ("sources.0.partitions", 8, "sources[0].partitions: topic 'lines' has 8 partitions but the "
+                                "app has 4 shards: partitions 4 and up would never be read"),
+    ("sources.0.partitions", 2, "sources[0].partitions: topic 'lines' has 2 partitions but the "
+                                "app has 4 shards: several shards would read each partition"),
+    ("sources.1.read", "sometimes", "sources[1].read: input should be 'partition-per-shard' or "
+                                    "'every-shard'"),
     ("sources.0.topic", "bad topic", "sources[0].topic: not usable as a prefix of journal names"),
     ("sources.0.topic", "lines/", "sources[0].topic: must not end in '/'"),
     ("sources.0.topic", "/lines", "sources[0].topic: not usable as a prefix of journal names"),
@@ -198,7 +203,7 @@ def test_the_error_names_the_file_as_given(tmp_path: Path) -> None:
 def test_duplicate_and_conflicting_topics(tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     document = copy.deepcopy(BASE)
-    document["sources"].append({"topic": "lines", "partitions": 2})
+    document["sources"].append({"topic": "lines"})
     document["outputs"].append({"topic": "config", "partitions": 2})
     document["outputs"].append({"topic": "counts", "partitions": 3})
     assert problems_of(tmp_path, document, monkeypatch) == [
@@ -306,7 +311,7 @@ def test_names(config: AppConfig) -> None:
 def test_each_shard_reads_its_partition_of_every_source(config: AppConfig) -> None:
     assert [config.source_journals(i) for i in range(4)] == [
         ["lines/part-000", "config/part-000"],
-        ["lines/part-001", "config/part-000"],  # one partition: every shard reads it
+        ["lines/part-001", "config/part-000"],  # read: every-shard
         ["lines/part-002", "config/part-000"],
         ["lines/part-003", "config/part-000"],
     ]
@@ -501,3 +506,38 @@ def test_load_application_refuses_to_shadow_a_loaded_module(tmp_path: Path) -> N
                          {"json.py": "class WordCount:\n    pass\n"})
     assert message.startswith("module 'json' is already imported from ")
     assert message.endswith("rename the app's module")
+
+
+def test_partitions_left_out_follow_the_shard_count(tmp_path: Path) -> None:
+    config = load_config(write_app(tmp_path, {
+        "name": "tiny", "application": "app:Tiny", "shards": 2,
+        "sources": [{"topic": "events", "key": "key"},
+                    {"topic": "settings", "partitions": 1, "read": "every-shard"}],
+        "outputs": [{"topic": "totals", "key": "key"}],
+    }))
+    assert [t.partitions for t in config.topics()] == [2, 1, 2]
+    eight = config.with_settings(shards=8)
+    assert [t.partitions for t in eight.topics()] == [8, 1, 8]
+    assert eight.source_journals(7) == ["events/part-007", "settings/part-000"]
+    assert [spec.name for spec in eight.journal_specs()][:8] == [
+        f"events/part-{i:03d}" for i in range(8)]
+    journal, _ = eight.mapping_for("totals")({"key": "a"})
+    assert journal == f"totals/part-{fnv1a32(b'a') % 8:03d}"
+    # The file is untouched: the next override starts from it again.
+    assert config.document() == eight.document() | {"shards": 2}
+    assert [t.partitions for t in eight.with_settings(shards=3).topics()] == [3, 1, 3]
+
+
+def test_an_explicit_partition_count_that_does_not_fit_new_shards_is_refused(
+        tmp_path: Path) -> None:
+    config = load_config(write_app(tmp_path, {
+        "name": "tiny", "application": "app:Tiny", "shards": 2,
+        "sources": [{"topic": "events", "partitions": 2, "key": "key"}],
+    }))
+    with pytest.raises(ConfigError) as caught:
+        config.with_settings(shards=8)
+    assert str(caught.value) == (
+        f"{tmp_path}/streamkit.yaml: sources[0].partitions: topic 'events' has 2 partitions but "
+        "the app has 8 shards: several shards would read each partition and process its "
+        "messages several times. Leave partitions out (it follows the shard count) or set it "
+        "to 8; for a broadcast topic every shard reads whole, set read: every-shard")

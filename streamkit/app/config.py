@@ -4,12 +4,14 @@
 Everything the runtime creates is derived from it, so nobody else has to
 spell names out:
 
-* topics are sets of journals `<topic>/part-000` … (`partitions` of them),
-  labeled `app.streamkit.dev/topic=<topic>` and with their content-type;
-* shards are `shard-000` …; shard i reads partition (i mod partitions) of
-  every source topic, so a source with fewer partitions than shards is read
-  by several shards (a broadcast), while more partitions than shards would
-  leave some unread and is refused;
+* topics are sets of journals `<topic>/part-000` … (`partitions` of them,
+  as many as the app has shards unless set), labeled
+  `app.streamkit.dev/topic=<topic>` and with their content-type;
+* shards are `shard-000` …; shard i reads partition i of every source, so a
+  source must have exactly one partition per shard: fewer would have several
+  shards process the same messages, more would leave some unread. A source
+  with `read: every-shard` (a small broadcast topic, such as configuration)
+  is instead read whole by every shard;
 * each shard's store is recorded into the recovery log
   `recovery/<name>/<shard id>` (except SQL stores, whose database is durable
   on its own); shard specs live under the keyspace root
@@ -33,7 +35,7 @@ import types
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any, Self, get_args
+from typing import Annotated, Any, Literal, Self, get_args
 
 import yaml
 from pydantic import (
@@ -76,6 +78,8 @@ __all__ = [
     "APP_LABEL",
     "CONFIG_FILE",
     "DEFAULT_STORE",
+    "EVERY_SHARD",
+    "PARTITION_PER_SHARD",
     "STORE_KINDS",
     "TOPIC_LABEL",
     "AppConfig",
@@ -201,6 +205,10 @@ def _problems(error: Mapping[str, Any], source: str) -> list[Problem]:
     return [Problem(message, _render(loc), source=source)]
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _config_error(message: str, source: str, path: str = "") -> ConfigError:
     return ConfigError([Problem(message, path, source=source)])
 
@@ -226,13 +234,23 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+PARTITION_PER_SHARD = "partition-per-shard"  # shard i reads partition i
+EVERY_SHARD = "every-shard"  # every shard reads every partition (a broadcast)
+READ_MODES = (PARTITION_PER_SHARD, EVERY_SHARD)
+
+
 class TopicConfig(_Model):
-    """A topic the app reads (a source) or publishes to (an output)."""
+    """A topic the app reads (a source) or publishes to (an output).
+
+    `partitions` left out follows the app's shard count; AppConfig fills it
+    in before validating, so a TopicConfig always has its count.
+    """
 
     topic: str
     partitions: int = Field(1, strict=True, ge=1, le=MAX_PARTITIONS)
     content_type: str = "application/x-ndjson"
     key: str | None = None
+    read: Literal["partition-per-shard", "every-shard"] = PARTITION_PER_SHARD
 
     @field_validator("topic")
     @classmethod
@@ -375,6 +393,7 @@ class AppConfig(_Model):
     )
 
     _app_dir: Path | None = PrivateAttr(default=None)
+    _document: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -382,6 +401,26 @@ class AppConfig(_Model):
         if isinstance(data, dict) and "standbys" in data and "hot_standbys" in data:
             raise _FieldProblems([(("hot_standbys",), "give standbys or hot_standbys, not both")])
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _partitions_follow_shards(cls, data: Any) -> Any:
+        """A topic without `partitions` gets one per shard (the document is not changed)."""
+        if not isinstance(data, dict):
+            return data
+        shards = data.get("shards", 1)
+        if isinstance(shards, bool) or not isinstance(shards, int) or not shards >= 1:
+            return data  # the shards field reports its own problem
+        filled = dict(data)
+        for field in ("sources", "outputs"):
+            topics = data.get(field)
+            if isinstance(topics, list):
+                filled[field] = [
+                    {**t, "partitions": shards} if isinstance(t, dict) and "partitions" not in t
+                    else t
+                    for t in topics
+                ]
+        return filled
 
     @field_validator("name")
     @classmethod
@@ -411,18 +450,8 @@ class AppConfig(_Model):
     def _check_topics(self) -> Self:
         found: list[tuple[tuple[str | int, ...], str]] = []
         for i, source in enumerate(self.sources):
-            if source.partitions > self.shards:
-                found.append(
-                    (
-                        ("sources", i, "partitions"),
-                        (
-                            f"{source.partitions} partitions but {self.shards} shards: partitions "
-                            f"{self.shards} and up would never be read (shard i reads partition "
-                            f"i mod {source.partitions}); use at most {self.shards} partitions, "
-                            "or more shards"
-                        ),
-                    )
-                )
+            if problem := self._partition_problem(source):
+                found.append((("sources", i, "partitions"), problem))
         listed: set[tuple[str, str]] = set()
         as_source = {source.topic: source for source in self.sources}
         for field in ("sources", "outputs"):
@@ -441,6 +470,24 @@ class AppConfig(_Model):
         if found:
             raise _FieldProblems(found)
         return self
+
+    def _partition_problem(self, source: TopicConfig) -> str | None:
+        """Why a source's partitions don't fit the shards (None: they do)."""
+        if source.read == EVERY_SHARD or source.partitions == self.shards:
+            return None
+        if source.partitions < self.shards:
+            effect = (
+                "several shards would read each partition and process its messages "
+                "several times"
+            )
+        else:
+            effect = f"partitions {self.shards} and up would never be read"
+        return (
+            f"topic {source.topic!r} has {_count(source.partitions, 'partition')} but the app "
+            f"has {_count(self.shards, 'shard')}: {effect}. Leave partitions out (it follows "
+            f"the shard count) or set it to {self.shards}; for a broadcast topic every shard "
+            f"reads whole, set read: {EVERY_SHARD}"
+        )
 
     # --- loading ------------------------------------------------------------------
 
@@ -461,7 +508,20 @@ class AppConfig(_Model):
         except ValidationError as err:
             raise ConfigError(p for e in err.errors() for p in _problems(e, source)) from None
         config._app_dir = app_dir
+        config._document = document
         return config
+
+    def with_settings(self, **settings: Any) -> AppConfig:
+        """The file's settings with some replaced (as `--shards N` asks), validated again.
+
+        Topics whose partitions the file leaves out follow a new shard count.
+        """
+        document = {**self._document, **settings}
+        return AppConfig.parse(document, self.config_file, self._app_dir)
+
+    def document(self) -> dict[str, Any]:
+        """The settings as given (before defaults were filled in)."""
+        return dict(self._document)
 
     @property
     def app_dir(self) -> Path:
@@ -537,10 +597,15 @@ class AppConfig(_Model):
         return self._topic(topic).journals()
 
     def source_journals(self, shard_index: int) -> list[str]:
-        """The journals shard `shard_index` reads: partition (index mod partitions) of each."""
+        """The journals shard `shard_index` reads: partition `shard_index` of each source,
+        and every partition of an every-shard source."""
         if not 0 <= shard_index < self.shards:
             raise IndexError(f"shard index {shard_index} out of range (0..{self.shards - 1})")
-        return [s.journals()[shard_index % s.partitions] for s in self.sources]
+        journals: list[str] = []
+        for source in self.sources:
+            partitions = source.journals()
+            journals += partitions if source.read == EVERY_SHARD else [partitions[shard_index]]
+        return journals
 
     @property
     def recovery_log_prefix(self) -> str:

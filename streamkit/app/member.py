@@ -25,6 +25,7 @@ from streamkit.app.application import Application
 from streamkit.app.assignment import Assignment, MemberId
 from streamkit.app.config import AppConfig
 from streamkit.app.deploy import ensure_journals, ensure_shard_specs
+from streamkit.app.layout import Layout, check_layout, write_layout
 from streamkit.app.replica import Runtime
 from streamkit.app.service import Service
 from streamkit.app.store_kinds import build_store
@@ -39,7 +40,13 @@ log = logging.getLogger(__name__)
 
 
 async def deploy(config: AppConfig, client: BrokerClient, keyspace: KeySpace) -> None:
-    """Create or update the app's journals and shard specs."""
+    """Create or update the app's journals and shard specs.
+
+    An app already deployed with another shard count is refused (LayoutError):
+    only a resharding backfill changes the count.
+    """
+    if await check_layout(config, keyspace) is None:
+        await write_layout(keyspace, config.keyspace_root, Layout(shards=config.shards))
     journals = await ensure_journals(client, config.journal_specs())
     shards = await ensure_shard_specs(keyspace, config.keyspace_root, config.shard_specs())
     if journals or shards:

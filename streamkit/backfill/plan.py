@@ -30,9 +30,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from streamkit.app.config import AppConfig
+from streamkit.app.config import PARTITION_PER_SHARD, AppConfig
 from streamkit.backfill.errors import BackfillError
-from streamkit.client import BrokerClient, JournalNotFound, get_journal, list_fragments, write_head
+from streamkit.client import (
+    BrokerClient,
+    JournalNotFound,
+    get_journal,
+    list_fragments,
+    list_journals,
+    write_head,
+)
 from streamkit.message.framing import UnknownFraming, content_type_of, framing_for
 from streamkit.protocol import consumer_pb, pb
 from streamkit.protocol.fragments import content_name
@@ -103,11 +110,21 @@ class JournalPlan:
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """A shard to backfill: its spec (serialized consumer_pb.ShardSpec) and its journals."""
+    """A shard to backfill: its spec (serialized consumer_pb.ShardSpec) and its journals.
+
+    A resharded app's shard reads every partition its source topics ever had
+    (`journals`), one earlier layout after another: `epochs` holds where each
+    earlier layout ended in each journal, and the last layout runs to each
+    journal's end. Of the journals in `rekey` (journal -> source topic) it
+    keeps the messages whose key routes to its own partition of that topic,
+    exactly as publishers route them over the app's partitions now.
+    """
 
     shard_id: str
     spec: bytes
     journals: list[JournalPlan]
+    epochs: list[dict[str, int]] = field(default_factory=list)
+    rekey: dict[str, str] = field(default_factory=dict)
 
     def shard_spec(self) -> consumer_pb.ShardSpec:
         return consumer_pb.ShardSpec.FromString(self.spec)
@@ -276,6 +293,24 @@ async def _content_type(client: BrokerClient, journal: str) -> str:
     return content_type
 
 
+def _rekeyed_sources(
+    config: AppConfig, epochs: Sequence[Mapping[str, int]], heads: Mapping[str, int]
+) -> tuple[dict[str, int], dict[str, str]]:
+    """Every journal of the app's source topics, past and present, and where each ends;
+    and the journals whose messages are re-routed by key (journal -> topic)."""
+    ends: dict[str, int] = {}
+    for epoch in epochs:
+        ends.update(epoch)
+    ends.update(heads)
+    rekey = {}
+    for source in config.sources:
+        prefix = f"{source.topic}/part-"
+        for journal in ends:
+            if journal.startswith(prefix) and source.read == PARTITION_PER_SHARD:
+                rekey[journal] = source.topic
+    return ends, rekey
+
+
 async def make_plan(
     config: AppConfig,
     client: BrokerClient,
@@ -286,14 +321,21 @@ async def make_plan(
     fragment_root: Path | None = None,
     ends: Mapping[str, int] | None = None,
     txn_size: int = 0,
+    epochs: Sequence[Mapping[str, int]] = (),
 ) -> BackfillPlan:
     """Plan the backfill of `specs` (the app's shards) against the broker `client` talks to.
 
     Transactions last what the shards' max_txn_duration allows, as live
-    ones do, or exactly `txn_size` messages if that is given.
+    ones do, or exactly `txn_size` messages if that is given. `epochs` are a
+    resharded app's earlier layouts (`Layout.history` ends): then every
+    shard reads all of them, re-keyed (see ShardPlan).
     """
     if txn_size < 0:
         raise BackfillError(f"a transaction can't have {txn_size} messages")
+    if epochs:
+        return await _make_rekeyed_plan(config, client, specs, broker=broker,
+                                        keyspace=keyspace, fragment_root=fragment_root,
+                                        txn_size=txn_size, epochs=epochs)
     ends = dict(ends or {})
     journals = sorted({source.journal for spec in specs for source in spec.sources})
     unknown = sorted(set(ends) - set(journals))
@@ -310,22 +352,73 @@ async def make_plan(
                 f"--end {journal}={end} is past the journal's write head {heads[journal]}"
             )
     heads.update(ends)
-    listed = {}
-    for journal in journals:
-        listed[journal] = (await list_fragments(client, journal, signature_ttl=URL_TTL)).fragments
     root = fragment_root.resolve() if fragment_root is not None else None
+    planner = _JournalPlanner(client, content_types, root)
     shards = []
     for spec in specs:
         plans = []
         for source in spec.sources:
             journal = source.journal
             begin = min(source.min_offset, heads[journal])
-            segments = cover(listed[journal], begin, heads[journal], root)
-            if root is not None:
-                _check_fragment_root(root, journal, segments)
-            plans.append(JournalPlan(journal, content_types[journal], begin, heads[journal],
-                                     segments))
+            plans.append(await planner.plan(journal, begin, heads[journal]))
         shards.append(ShardPlan(spec.id, spec.SerializeToString(deterministic=True), plans))
+    return _backfill_plan(config, broker, keyspace, root, txn_size, shards)
+
+
+class _JournalPlanner:
+    """JournalPlans over each journal's fragments, listed once per journal."""
+
+    def __init__(self, client: BrokerClient, content_types: Mapping[str, str],
+                 root: Path | None) -> None:
+        self.client, self.content_types, self.root = client, content_types, root
+        self._listed: dict[str, Sequence[pb.FragmentsResponse._Fragment]] = {}
+
+    async def plan(self, journal: str, begin: int, end: int) -> JournalPlan:
+        if journal not in self._listed:
+            response = await list_fragments(self.client, journal, signature_ttl=URL_TTL)
+            self._listed[journal] = response.fragments
+        segments = cover(self._listed[journal], begin, end, self.root)
+        if self.root is not None:
+            _check_fragment_root(self.root, journal, segments)
+        return JournalPlan(journal, self.content_types[journal], begin, end, segments)
+
+
+async def _make_rekeyed_plan(
+    config: AppConfig,
+    client: BrokerClient,
+    specs: Sequence[consumer_pb.ShardSpec],
+    *,
+    broker: str,
+    keyspace: str,
+    fragment_root: Path | None,
+    txn_size: int,
+    epochs: Sequence[Mapping[str, int]],
+) -> BackfillPlan:
+    """Every shard reads every partition its source topics ever had (see ShardPlan)."""
+    current = sorted({source.journal for spec in specs for source in spec.sources})
+    existing = {j.spec.name for j in await list_journals(client)}
+    past = {journal for epoch in epochs for journal in epoch}
+    # Partitions of the present layout are read to their write heads; those only an
+    # earlier layout had (retired, read-only) to where that layout ended.
+    heads = {j: await write_head(client, j) for j in current if j in existing and j not in past}
+    for journal in current:
+        if journal in past and journal in existing:
+            heads[journal] = max(epochs[-1].get(journal, 0), await write_head(client, journal))
+    ends, rekey = _rekeyed_sources(config, epochs, heads)
+    content_types = {journal: await _content_type(client, journal) for journal in ends}
+    root = fragment_root.resolve() if fragment_root is not None else None
+    planner = _JournalPlanner(client, content_types, root)
+    plans = [await planner.plan(journal, 0, end) for journal, end in sorted(ends.items())]
+    shards = [
+        ShardPlan(spec.id, spec.SerializeToString(deterministic=True), plans,
+                  [dict(epoch) for epoch in epochs], rekey)
+        for spec in specs
+    ]
+    return _backfill_plan(config, broker, keyspace, root, txn_size, shards)
+
+
+def _backfill_plan(config: AppConfig, broker: str, keyspace: str, root: Path | None,
+                   txn_size: int, shards: list[ShardPlan]) -> BackfillPlan:
     return BackfillPlan(
         app_dir=str(config.app_dir.resolve()),
         config=config_document(config),

@@ -49,6 +49,7 @@ from typing import Any
 
 from streamkit.app.application import Application
 from streamkit.app.checkpoints import build_checkpoint, producer_states, start_offsets
+from streamkit.app.config import AppConfig
 from streamkit.app.publishing import ShardPublisher
 from streamkit.app.shard import Shard
 from streamkit.app.store_kinds import build_store, records_to_log
@@ -115,10 +116,15 @@ class TransactionRunner:
         *,
         max_duration: float,
         txn_size: int = 0,
+        keep: Callable[[Envelope], bool] | None = None,
     ) -> None:
         self.shard, self.app, self.store = shard, app, store
         self.publisher, self.sequencer = publisher, sequencer
         self.replay = replay
+        self._dequeue = sequencer.dequeue_committed if keep is None else _filtered(
+            sequencer, keep)
+        # A resharded shard checkpoints only the journals it reads live from now on.
+        self._sources = None if keep is None else {s.journal for s in shard.spec.sources}
         self.txn_size = txn_size or sys.maxsize
         self.max_duration = math.inf if txn_size else max_duration
         self._deadline = 0.0  # when the open transaction is to end
@@ -140,7 +146,7 @@ class TransactionRunner:
         messages, the usual case, commit exactly one envelope: itself).
         """
         seq = self.sequencer
-        queue, dequeue = seq.queue_uncommitted, seq.dequeue_committed
+        queue, dequeue = seq.queue_uncommitted, self._dequeue
         shard, store, publisher = self.shard, self.store, self.publisher
         consume = self.app.consume_message
         plain = not self._async_consume
@@ -152,6 +158,8 @@ class TransactionRunner:
                 outcome = queue(env)
                 if outcome is _SINGLE:
                     committed = dequeue()
+                    if committed is None:
+                        continue  # another shard's key
                     if count == 0:
                         await self._start_txn()
                     if plain:
@@ -198,7 +206,7 @@ class TransactionRunner:
         shard, store, publisher = self.shard, self.store, self.publisher
         async with contextlib.aclosing(self.replay(journal, begin, end)) as batches:
             while True:
-                env = seq.dequeue_committed()
+                env = self._dequeue()
                 if env is not None:
                     if self._in_txn == 0:
                         await self._start_txn()
@@ -229,6 +237,9 @@ class TransactionRunner:
         for intent in publisher.publisher.build_ack_intents():
             self.acks[intent.journal] = intent.content
         cp = build_checkpoint(self.sequencer, ())
+        if self._sources is not None:
+            for journal in [j for j in cp.sources if j not in self._sources]:
+                del cp.sources[journal]
         for journal, content in self.acks.items():
             cp.ack_intents[journal] = content
         commit = await store.start_commit(shard.id, cp, shard.appends.pending_except(""))
@@ -240,6 +251,47 @@ class TransactionRunner:
             self.messages += consumed
         self._in_txn = 0
         self.checkpoint = cp
+
+
+def _filtered(sequencer: Sequencer, keep: Callable[[Envelope], bool]
+              ) -> Callable[[], Envelope | None]:
+    """`dequeue_committed`, passing over the envelopes `keep` rejects."""
+    dequeue = sequencer.dequeue_committed
+
+    def dequeue_kept() -> Envelope | None:
+        env = dequeue()
+        while env is not None and not keep(env):
+            env = dequeue()
+        return env
+
+    return dequeue_kept
+
+
+def _own_keys(config: AppConfig, shard_plan: ShardPlan, spec: consumer_pb.ShardSpec
+              ) -> Callable[[Envelope], bool] | None:
+    """Whether a message of a re-keyed journal routes to this shard's partition now."""
+    if not shard_plan.rekey:
+        return None
+    rekey = shard_plan.rekey
+    topics = set(rekey.values())
+    routes = {topic: config.mapping_for(topic) for topic in topics}
+    own = {topic: next(s.journal for s in spec.sources if s.journal.startswith(f"{topic}/part-"))
+           for topic in topics}
+
+    def keep(env: Envelope) -> bool:
+        topic = rekey.get(env.journal)
+        if topic is None:
+            return True
+        try:
+            journal, _ = routes[topic](env.message)
+        except Exception as error:
+            raise BackfillError(
+                f"journal {env.journal}, offset {env.begin}: cannot route the message by "
+                f"its key to a partition of {topic!r}: {type(error).__name__}: {error}"
+            ) from None
+        return journal == own[topic]
+
+    return keep
 
 
 def _shard(plan: BackfillPlan, shard_plan: ShardPlan, client: BrokerClient, app_dir: Path,
@@ -292,8 +344,7 @@ async def run_shard(
                 runner, readers = _runner(plan, shard_plan, shard, app, store, cp)
                 consuming = time.monotonic()
                 begins = runner.sequencer.offsets
-                sources = [r.batches(begins.get(r.journal, r.plan.begin)) for r in readers]
-                final = await runner.run(merge_by_time(sources))
+                final = await runner.run(_by_epoch(readers, begins, shard_plan.epochs))
                 result.consume_seconds = time.monotonic() - consuming
                 await shard.appends.flush()
             finally:
@@ -326,6 +377,19 @@ async def run_shard(
     return result
 
 
+async def _by_epoch(readers: list[JournalReader], begins: dict[str, int],
+                    epochs: list[dict[str, int]]) -> AsyncIterator[list[Envelope]]:
+    """The readers' batches, one layout after another (see ShardPlan), each merged by time."""
+    offsets = {r.journal: begins.get(r.journal, r.plan.begin) for r in readers}
+    for ends in [*epochs, {r.journal: r.plan.end for r in readers}]:
+        spans = [(r, offsets[r.journal], ends.get(r.journal, offsets[r.journal]))
+                 for r in readers]
+        sources = [r.batches(lo, hi) for r, lo, hi in spans if hi > lo]
+        async for batch in merge_by_time(sources):
+            yield batch
+        offsets.update({r.journal: max(lo, hi) for r, lo, hi in spans})
+
+
 def _runner(plan: BackfillPlan, shard_plan: ShardPlan, shard: Shard, app: Application,
             store: Store, cp: consumer_pb.Checkpoint
             ) -> tuple[TransactionRunner, list[JournalReader]]:
@@ -347,8 +411,10 @@ def _runner(plan: BackfillPlan, shard_plan: ShardPlan, shard: Shard, app: Applic
     sequencer = Sequencer(producer_states(cp), spec.ring_buffer_size or 8192, offsets=offsets)
     publisher = ShardPublisher(Publisher(shard.appends), shard.output)
     max_duration = spec.max_txn_duration.ToTimedelta().total_seconds() or 1.0
+    keep = _own_keys(plan.app_config(), shard_plan, spec)
     return TransactionRunner(shard, app, store, publisher, sequencer, replay,
-                             max_duration=max_duration, txn_size=plan.txn_size), readers
+                             max_duration=max_duration, txn_size=plan.txn_size,
+                             keep=keep), readers
 
 
 def run_shard_task(plan: BackfillPlan, index: int, app_dir: str | None = None) -> dict[str, Any]:

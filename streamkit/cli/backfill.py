@@ -25,6 +25,7 @@ from typing import Any
 import click
 
 from streamkit.app.config import AppConfig
+from streamkit.app.layout import Layout, read_layout
 from streamkit.app.member import deploy
 from streamkit.app.store_kinds import STORE_KINDS
 from streamkit.cli.children import Child, port_in_use
@@ -147,6 +148,9 @@ def _progress_printer() -> Any:
               help="Stop reading JOURNAL at OFFSET (repeatable; default: the write heads).")
 @click.option("--store", type=click.Choice(STORE_KINDS), default=None,
               help="Store kind, overriding streamkit.yaml (as for `run`).")
+@click.option("--shards", type=click.IntRange(1, 1000), default=None,
+              help="Reshard: recompute the state for this many shards from the whole history "
+                   "(the app stopped; default: the deployed count).")
 @click.option("--txn-size", type=click.IntRange(1), default=None,
               help="Messages per transaction (default: transactions last the shards' "
                    "max_duration, as live ones).")
@@ -156,10 +160,12 @@ def _progress_printer() -> Any:
 async def backfill(app_dir: Path, use_spark: bool, plan_only: bool, as_json: bool, master: str,
                    spark_conf: tuple[str, ...], broker: str | None, port: int,
                    keyspace: str | None, fragment_root: Path | None, ends: tuple[str, ...],
-                   store: str | None, txn_size: int | None, log_level: str) -> None:
+                   store: str | None, shards: int | None, txn_size: int | None,
+                   log_level: str) -> None:
     """Recompute APP_DIR's state (default: the current folder) from its journals' history."""
     from streamkit.backfill.errors import BackfillError
     from streamkit.backfill.plan import make_plan, parse_ends
+    from streamkit.backfill.reshard import apply_layout, finish_layout, next_layout
 
     configure_logging(log_level)
     if not use_spark and not plan_only:
@@ -170,19 +176,33 @@ async def backfill(app_dir: Path, use_spark: bool, plan_only: bool, as_json: boo
     try:
         conf = dict(_key_value(item) for item in spark_conf)
         end_offsets = parse_ends(ends)
-        config, _ = app_config(app_dir, None, None, store)
-        if use_spark and not plan_only:
-            spark = asyncio.ensure_future(asyncio.to_thread(_start_spark, master, conf))
+        config, _ = app_config(app_dir, shards, None, store)
         keyspace_url = keyspace_url_of(config, keyspace)
         async with (
             _broker(config, broker, port, keyspace_url, fragment_root) as (address, root),
             BrokerClient(address) as client,
             open_keyspace(keyspace_url) as ks,
         ):
-            specs = await _shard_specs(config, ks)
+            layout = await read_layout(ks, config.keyspace_root)
+            resharding = _resharding(config, layout, shards)
+            if use_spark and not plan_only:  # started while the plan is made
+                spark = asyncio.ensure_future(asyncio.to_thread(_start_spark, master, conf))
+            resharded: Layout | None = None
+            retired: list[str] = []
+            if resharding:
+                assert layout is not None
+                resharded = await next_layout(config, client, ks, layout)
+                epochs = [epoch.ends for epoch in resharded.history]
+                specs = config.shard_specs()
+            else:
+                epochs = [epoch.ends for epoch in layout.history] if layout else []
+                specs = await _shard_specs(config, ks)
+            if epochs and end_offsets:
+                raise CliError("--end can't be used on a resharded app: its history spans "
+                               "several layouts", DATA_ERROR)
             plan = await make_plan(config, client, specs, broker=address,
                                    keyspace=_absolute(keyspace_url), fragment_root=root,
-                                   ends=end_offsets, txn_size=txn_size or 0)
+                                   ends=end_offsets, txn_size=txn_size or 0, epochs=epochs)
             if plan_only:
                 if as_json:
                     echo_json(plan.summary())
@@ -192,7 +212,10 @@ async def backfill(app_dir: Path, use_spark: bool, plan_only: bool, as_json: boo
             assert spark is not None
             sc, spark_seconds = await spark  # Java and PySpark work: now change things
             spark = None
-            await deploy(config, client, ks)  # recovery logs, outputs, shard specs
+            if resharded is not None:  # new partitions, recovery logs and shard specs
+                retired = await apply_layout(config, client, ks, resharded)
+            else:
+                await deploy(config, client, ks)  # recovery logs, outputs, shard specs
             _echo_plan(plan.summary())
             try:
                 ran = time.monotonic()
@@ -204,8 +227,12 @@ async def backfill(app_dir: Path, use_spark: bool, plan_only: bool, as_json: boo
                                "restarted to serve it)") from None
             finally:
                 await asyncio.to_thread(_stop_spark, sc)
+            if resharded is not None:
+                await finish_layout(ks, config.keyspace_root, resharded)
             restarted = await _restart_running_shards(config, ks, plan)
         _echo_results(results)
+        if resharded is not None:
+            _echo_resharded(config, resharded, retired)
         click.echo(f"handed over {plural(len(results), 'shard')}: `streamkit run` continues "
                    "from the offsets above", err=True)
         if restarted:
@@ -220,6 +247,33 @@ async def backfill(app_dir: Path, use_spark: bool, plan_only: bool, as_json: boo
             with contextlib.suppress(BaseException):
                 sc, _ = await spark
                 await asyncio.to_thread(_stop_spark, sc)
+
+
+def _resharding(config: AppConfig, layout: Layout | None, shards: int | None) -> bool:
+    """Whether this backfill reshards; refuses a count that differs by accident."""
+    if layout is None:
+        return False
+    if layout.resharding or (shards is not None and shards != layout.shards):
+        return True
+    if config.shards != layout.shards:
+        raise CliError(
+            f"app {config.name} is deployed with {layout.shards} shards but streamkit.yaml says "
+            f"{config.shards}: pass --shards {config.shards} to reshard it to {config.shards}, "
+            f"or --shards {layout.shards} to backfill its {layout.shards} shards",
+            DATA_ERROR,
+        )
+    return False
+
+
+def _echo_resharded(config: AppConfig, layout: Layout, retired: list[str]) -> None:
+    before = layout.history[-1].shards
+    n = config.shards
+    click.echo(f"resharded app {config.name} from {before} to {n} shards", err=True)
+    if retired:
+        click.echo(f"retired (read-only) partitions: {', '.join(retired)}", err=True)
+    click.echo(f"next: set `shards: {n}` in streamkit.yaml (or pass --shards {n}), start the "
+               f"app, then restart its publishers so they route over the {n} partitions",
+               err=True)
 
 
 def _absolute(keyspace_url: str) -> str:

@@ -12,8 +12,10 @@ from typing import Any
 import click
 
 from streamkit.app.config import load_config
+from streamkit.app.layout import deployed_config
 from streamkit.app.resolver import Primary, Resolver
-from streamkit.cli.errors import DATA_ERROR, CliError, async_command
+from streamkit.cli.errors import DATA_ERROR, CliError, async_command, warn
+from streamkit.cli.output import plural
 from streamkit.keyspace import open_keyspace
 
 __all__ = ["query"]
@@ -46,8 +48,10 @@ async def query(app_dir: Path, request: str, key: str | None, shard: str | None,
                 keyspace: str | None) -> None:
     """Send REQUEST (a JSON object) to APP_DIR's shards and print the answer.
 
-    Without --key or --shard every shard is asked and the application's
-    `combine_answers` merges their answers.
+    Without --key or --shard every shard of the app as deployed is asked,
+    and the application's `combine_answers` merges their answers. Shards that
+    did not answer are named, and the command then exits with code 1 (the
+    answer printed combines the others' only).
     """
     try:
         parsed = json.loads(request)
@@ -58,18 +62,37 @@ async def query(app_dir: Path, request: str, key: str | None, shard: str | None,
     config = load_config(app_dir)
     app_class = config.load_application()
     async with open_keyspace(keyspace or str(config.data_dir / "keyspace.db")) as ks:
+        config = await deployed_config(config, ks)  # the shards as deployed, not the file's
         resolver = Resolver(config, ks)
         primaries = await resolver.primaries()
         if key is not None:
             shard = resolver.shard_of(key)
+        if shard is not None and shard not in config.shard_ids():
+            raise CliError(f"no shard {shard}: app {config.name} has "
+                           f"{plural(config.shards, 'shard')} (shard-000 … "
+                           f"{config.shard_ids()[-1]})", DATA_ERROR)
         wanted = [shard] if shard is not None else config.shard_ids()
-        missing = [s for s in wanted if s not in primaries]
-        if missing:
-            raise CliError(f"no primary serves {', '.join(missing)}: is the app running "
-                           f"(streamkit run {app_dir})?")
-        answers = await asyncio.gather(*(asyncio.to_thread(_ask, primaries[s], parsed)
-                                         for s in wanted))
-    by_shard = dict(zip(wanted, answers, strict=True))
+        asked = [s for s in wanted if s in primaries]
+        results = await asyncio.gather(*(asyncio.to_thread(_ask, primaries[s], parsed)
+                                         for s in asked), return_exceptions=True)
+    by_shard: dict[str, Any] = {}
+    failures = {s: "no primary is serving it" for s in wanted if s not in primaries}
+    for shard_id, result in zip(asked, results, strict=True):
+        if isinstance(result, CliError) and result.exit_code != DATA_ERROR:
+            failures[shard_id] = str(result).removeprefix(f"shard {shard_id}: ")
+        elif isinstance(result, BaseException):
+            raise result  # a bad request (the app's QueryError) is the same on every shard
+        else:
+            by_shard[shard_id] = result
+    if not by_shard:
+        reasons = "; ".join(f"{s}: {why}" for s, why in failures.items())
+        raise CliError(f"no shard answered ({reasons}): is the app running "
+                       f"(streamkit run {app_dir})?")
     answer = by_shard[shard] if shard is not None else app_class().combine_answers(by_shard)
     click.echo(json.dumps(answer, indent=None if isinstance(answer, int | float | str)
                           else 2, default=str))
+    if failures:
+        for shard_id, reason in failures.items():
+            warn(f"shard {shard_id} did not answer: {reason}")
+        raise CliError(f"the answer combines {len(by_shard)} of {plural(len(wanted), 'shard')}: "
+                       f"{', '.join(failures)} did not answer")

@@ -24,6 +24,7 @@ import click
 import grpc
 
 from streamkit.app.config import AppConfig, load_config
+from streamkit.app.layout import check_layout
 from streamkit.app.member import Member, MemberOptions, deploy
 from streamkit.app.store_kinds import STORE_KINDS
 from streamkit.cli.children import Child, port_in_use, start_child
@@ -48,8 +49,7 @@ def app_config(app_dir: Path, shards: int | None, standbys: int | None,
     config = load_config(app_dir)
     overrides = {k: v for k, v in (("shards", shards), ("standbys", standbys)) if v is not None}
     if overrides:
-        config = AppConfig.parse({**config.model_dump(exclude_unset=True), **overrides},
-                                 config.config_file, config.app_dir)
+        config = config.with_settings(**overrides)
     app_class = config.load_application()
     config = config.with_store(store) if store else config.for_application(app_class)
     return config, app_class
@@ -140,8 +140,9 @@ def start_bundled_broker(config: AppConfig, port: int, keyspace_url: str) -> Chi
 
 @click.command("run")
 @click.argument("app_dir", default=".", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--shards", type=click.IntRange(1, 4096), default=None,
-              help="Number of shards (default: streamkit.yaml's).")
+@click.option("--shards", type=click.IntRange(1, 1000), default=None,
+              help="Number of shards (default: streamkit.yaml's). Topics whose partitions "
+                   "streamkit.yaml leaves out get one per shard.")
 @click.option("--broker", default=None, metavar="HOST:PORT",
               help="Use this broker (any that speaks the Journal protocol) instead of "
                    "starting the bundled one.")
@@ -170,6 +171,8 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
     config, app_class = app_config(app_dir, shards, standbys, store)
     config.data_dir.mkdir(parents=True, exist_ok=True)
     keyspace_url = keyspace_url_of(config, keyspace)
+    async with open_keyspace(keyspace_url) as ks:  # before starting anything
+        await check_layout(config, ks)
     bundled: Child | None = None
     workers_: list[Child] = []
     file_root = None
@@ -182,8 +185,8 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
         # with gRPC's threads running is what gRPC warns about.
         for index in range(1, workers):
             args = ["serve", str(config.app_dir), "--broker", broker, "--keyspace",
-                    keyspace_url, "--suffix", f"worker-{index}", "--log-level", log_level,
-                    "--store", config.store_kind]
+                    keyspace_url, "--shards", str(config.shards), "--suffix", f"worker-{index}",
+                    "--log-level", log_level, "--store", config.store_kind]
             if file_root is not None:
                 args += ["--file-root", str(file_root)]
             workers_.append(start_child(f"worker {index}", args,
@@ -218,6 +221,8 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
               help="The broker the app's journals live on.")
 @click.option("--keyspace", default=None,
               help="KeySpace (default: APP_DIR/.streamkit/keyspace.db).")
+@click.option("--shards", type=click.IntRange(1, 1000), default=None,
+              help="Number of shards (default: streamkit.yaml's); must be the deployed count.")
 @click.option("--suffix", default=None, help="This member's name (default: host-pid).")
 @click.option("--store", type=click.Choice(STORE_KINDS), default=None,
               help="Store kind, overriding streamkit.yaml (must match the other members).")
@@ -226,13 +231,16 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
 @click.option("--log-level", default="INFO", show_default=True, envvar="STREAMKIT_LOG_LEVEL",
               type=click.Choice(_LEVELS, case_sensitive=False), help="Log level.")
 @async_command(interrupt_exit=0)
-async def serve(app_dir: Path, broker: str, keyspace: str | None, suffix: str | None,
+async def serve(app_dir: Path, broker: str, keyspace: str | None, shards: int | None,
+                suffix: str | None,
                 store: str | None, file_root: Path | None, log_level: str) -> None:
     """Run one member process of APP_DIR's shards until SIGTERM or Ctrl-C."""
     configure_logging(log_level)
-    config, app_class = app_config(app_dir, None, None, store)
+    config, app_class = app_config(app_dir, shards, None, store)
     suffix = suffix or f"{os.uname().nodename}-{os.getpid()}"
     async with BrokerClient(broker) as client, open_keyspace(
-            keyspace_url_of(config, keyspace)) as ks, _member(
-            config, app_class, client, ks, suffix=suffix, broker_file_root=file_root):
-        await _until_signalled()
+            keyspace_url_of(config, keyspace)) as ks:
+        await check_layout(config, ks)
+        async with _member(config, app_class, client, ks, suffix=suffix,
+                           broker_file_root=file_root):
+            await _until_signalled()
