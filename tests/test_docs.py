@@ -11,7 +11,9 @@ on free ports: the docs' default ports (8080 and 8081 for an app's broker,
 `streamkit backfill` are given the app's `--port`, and STREAMKIT_BROKER
 points the other commands at the app's broker. Shown output is checked line by
 line (in order, possibly with other lines in between; JSON is compared as
-JSON), retrying read-only commands until the app has caught up.
+JSON), retrying read-only commands until the app has caught up. A
+`streamkit run` stops the one running before it (Ctrl-C, then run again), and
+so does a resharding `streamkit backfill --shards` (the app must be stopped).
 
 Markers, as HTML comments on the line before a block:
 `<!-- excerpt: PATH -->` (its lines appear in that file, in order),
@@ -313,6 +315,8 @@ class Session:
         if any(" ".join(("streamkit", *path)).startswith(BACKGROUND) for path in invocations):
             self.background(command, text, invocations[0])
             return
+        if invocations and invocations[0] == ("backfill",) and "--shards" in text:
+            self.stop_app()  # the docs say: stop the app, then reshard it
         retry = any(command.text.startswith(reader) for reader in READERS)
         deadline = time.monotonic() + STEP_TIMEOUT
         while True:

@@ -264,6 +264,17 @@ async def test_bad_input_fails_only_its_shard(broker_proc: BrokerProcess,
                 await view.stat(endpoint, shard, {j: heads[j] for j in view.sources_of(shard)})
             ids = [i for i in range(800) if view.shard_of_id(i) in healthy]
             assert await view.query_counts(serving) == expected_counts(ids)
+
+            # Asking every shard: the healthy ones' answers are combined, and the command
+            # names the two that did not answer and exits 1.
+            asked = cli("query", str(app), '{"word": "w0"}')
+            assert asked.returncode == 1, asked
+            assert int(asked.stdout) == expected_counts(ids)["w0"]
+            for shard in failed:
+                assert f"shard {shard} did not answer: " in asked.stderr, asked.stderr
+            assert asked.stderr.strip().splitlines()[-1] == (
+                "streamkit: error: the answer combines 6 of 8 shards: shard-003, shard-005 "
+                "did not answer"), asked.stderr
     finally:
         run.stop()
 

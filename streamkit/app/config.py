@@ -242,12 +242,13 @@ READ_MODES = (PARTITION_PER_SHARD, EVERY_SHARD)
 class TopicConfig(_Model):
     """A topic the app reads (a source) or publishes to (an output).
 
-    `partitions` left out follows the app's shard count; AppConfig fills it
-    in before validating, so a TopicConfig always has its count.
+    `partitions` null (left out) means one per shard: AppConfig fills the
+    app's shard count in before validating, so a topic of an AppConfig
+    always has its count.
     """
 
     topic: str
-    partitions: int = Field(1, strict=True, ge=1, le=MAX_PARTITIONS)
+    partitions: int | None = Field(None, strict=True, ge=1, le=MAX_PARTITIONS)
     content_type: str = "application/x-ndjson"
     key: str | None = None
     read: Literal["partition-per-shard", "every-shard"] = PARTITION_PER_SHARD
@@ -287,6 +288,8 @@ class TopicConfig(_Model):
 
     def journals(self) -> list[str]:
         """The topic's partitions: `<topic>/part-000` …, in order."""
+        if self.partitions is None:
+            raise ValueError(f"topic {self.topic!r}: its partitions follow an app's shards")
         return [f"{self.topic}/part-{i:03d}" for i in range(self.partitions)]
 
     def journal_spec(self, journal: str) -> JournalSpec:
@@ -416,7 +419,8 @@ class AppConfig(_Model):
             topics = data.get(field)
             if isinstance(topics, list):
                 filled[field] = [
-                    {**t, "partitions": shards} if isinstance(t, dict) and "partitions" not in t
+                    {**t, "partitions": shards}
+                    if isinstance(t, dict) and t.get("partitions") is None
                     else t
                     for t in topics
                 ]
@@ -473,9 +477,10 @@ class AppConfig(_Model):
 
     def _partition_problem(self, source: TopicConfig) -> str | None:
         """Why a source's partitions don't fit the shards (None: they do)."""
-        if source.read == EVERY_SHARD or source.partitions == self.shards:
+        partitions = source.partitions or self.shards  # always filled in (see TopicConfig)
+        if source.read == EVERY_SHARD or partitions == self.shards:
             return None
-        if source.partitions < self.shards:
+        if partitions < self.shards:
             effect = (
                 "several shards would read each partition and process its messages "
                 "several times"
@@ -483,7 +488,7 @@ class AppConfig(_Model):
         else:
             effect = f"partitions {self.shards} and up would never be read"
         return (
-            f"topic {source.topic!r} has {_count(source.partitions, 'partition')} but the app "
+            f"topic {source.topic!r} has {_count(partitions, 'partition')} but the app "
             f"has {_count(self.shards, 'shard')}: {effect}. Leave partitions out (it follows "
             f"the shard count) or set it to {self.shards}; for a broadcast topic every shard "
             f"reads whole, set read: {EVERY_SHARD}"
