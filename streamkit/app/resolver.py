@@ -1,8 +1,8 @@
 """Resolver: from a key to its journal, its shard, and the process serving that shard.
 
-Keys are routed as publishers route them: by the first source topic's
-mapping (its `key` field, modulo over the partitions); the shard is the one
-reading that partition; the process is the member holding the shard's
+Keys are routed as publishers route them: by the mapping of the first source
+topic read partition-per-shard (its `key` field, modulo over the
+partitions); the shard is the one reading that partition; the process is the member holding the shard's
 primary assignment in the KeySpace, reached at the endpoint its member spec
 advertises.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamkit.app.assignment import parse_assignment_key, parse_member_key
-from streamkit.app.config import AppConfig
+from streamkit.app.config import PARTITION_PER_SHARD, AppConfig
 from streamkit.keyspace.keyspace import KeySpace
 from streamkit.protocol import consumer_pb
 
@@ -41,7 +41,10 @@ class Resolver:
         self.keyspace = keyspace
 
     def journal_of(self, key: Any) -> str:
-        source = self.config.sources[0]
+        keyed = [s for s in self.config.sources if s.read == PARTITION_PER_SHARD]
+        if not keyed:
+            raise LookupError("every source is read by every shard: no shard owns a key")
+        source = keyed[0]
         journal, _ = self.config.mapping_for(source.topic)({source.key or "key": key})
         return journal
 

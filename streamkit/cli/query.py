@@ -66,7 +66,10 @@ async def query(app_dir: Path, request: str, key: str | None, shard: str | None,
         resolver = Resolver(config, ks)
         primaries = await resolver.primaries()
         if key is not None:
-            shard = resolver.shard_of(key)
+            try:
+                shard = resolver.shard_of(key)
+            except LookupError as error:
+                raise CliError(f"--key {key!r}: {error}", DATA_ERROR) from None
         if shard is not None and shard not in config.shard_ids():
             raise CliError(f"no shard {shard}: app {config.name} has "
                            f"{plural(config.shards, 'shard')} (shard-000 … "
