@@ -2,9 +2,9 @@
 
 Keys are routed as publishers route them: by the mapping of the first source
 topic read partition-per-shard (its `key` field, modulo over the
-partitions); the shard is the one reading that partition; the process is the member holding the shard's
-primary assignment in the KeySpace, reached at the endpoint its member spec
-advertises.
+partitions); the shard is the one reading that partition; the process is the
+member holding the shard's primary assignment in the KeySpace, reached at the
+endpoint its member spec advertises.
 """
 
 from __future__ import annotations
