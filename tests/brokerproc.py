@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -48,6 +49,7 @@ class BrokerProcess:
     data_dir: Path
     port: int = field(default_factory=free_port)
     extra_args: list[str] = field(default_factory=list)
+    fsize_limit: int | None = None  # RLIMIT_FSIZE of the broker (`ulimit -f`), in bytes
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
 
@@ -66,11 +68,16 @@ class BrokerProcess:
         cmd = [sys.executable, "-m", "streamkit.cli.main", "broker", "serve",
                "--data-dir", str(self.data_dir), "--port", str(self.port), *self.extra_args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=self._limits if self.fsize_limit else None)
         log.close()
         wait_for_port(self.port, proc=self.proc)
         wait_for_port(self.port + 1, proc=self.proc)
         return self
+
+    def _limits(self) -> None:
+        """In the child: no file it writes may grow past `fsize_limit` (a disk filling up)."""
+        resource.setrlimit(resource.RLIMIT_FSIZE, (self.fsize_limit, self.fsize_limit))
 
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path and self.log_path.exists() else ""

@@ -1,16 +1,20 @@
 """One append transaction against a replica, shared by the gRPC and HTTP front ends.
 
 The caller holds nothing; `append` takes the journal's append lock, checks the
-preconditions, streams the content into the spool and commits it durably.
+preconditions, streams the content into the spool and commits it durably. A
+storage failure (a full disk) raises a JournalFault and leaves the journal as
+it was: the append is rolled back, and the next one writes at the same offset.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 from streamkit.broker import metrics
+from streamkit.broker.faults import JournalFault, JournalUnavailable, storage_fault
 from streamkit.broker.replica import Replica
 from streamkit.broker.spool import SpoolAppend
 from streamkit.protocol import pb
@@ -24,11 +28,14 @@ class RolledBack(Exception):
 
 
 def refusal(replica: Replica | None) -> int | None:
-    """The status refusing an append before any content is read, if any."""
+    """The status refusing an append before any content is read, if any (raises the
+    replica's JournalFault if it can't take appends)."""
     if replica is None or replica.deleted:
         return pb.JOURNAL_NOT_FOUND
     if replica.spec.flags == pb.JournalSpec.O_RDONLY:
         return pb.NOT_ALLOWED
+    if replica.unavailable is not None:
+        raise replica.unavailable
     return None
 
 
@@ -38,8 +45,9 @@ def _precondition_failure(replica: Replica, request: pb.AppendRequest) -> int | 
     if status is not None:
         return status
     if replica.spool.fenced:
-        raise OSError(f"journal {replica.name}: a commit failed and could not be undone; "
-                      "appends are refused until the broker restarts and recovers the spool")
+        raise JournalUnavailable(replica.name, "a commit failed and could not be undone; "
+                                 "appends are refused until the broker restarts and recovers "
+                                 "the spool")
     if request.HasField("check_registers") and not registers_match(
         request.check_registers, replica.registers
     ):
@@ -62,6 +70,12 @@ async def _commit(replica: Replica, txn: SpoolAppend, registers: pb.LabelSet | N
         replica.registers = registers
     replica.committed(replica.spool)
     return commit
+
+
+def _fault(replica: Replica, doing: str, error: OSError) -> JournalFault:
+    fault = storage_fault(replica.name, f"appending: {doing}", error)
+    metrics.APPEND_FAILURES.labels(type(fault).__name__).inc()
+    return fault
 
 
 async def settle(work: Coroutine[Any, Any, T]) -> T:
@@ -97,23 +111,33 @@ async def append(
             metrics.APPEND_FAILURES.labels(pb.Status.Name(status)).inc()
             return pb.AppendResponse(status=status, header=header, registers=replica.registers)
 
-        replica.maybe_roll()
+        try:
+            replica.maybe_roll()
+        except OSError as error:
+            raise _fault(replica, "starting its next spool", error) from error
         txn = replica.spool.start_append()
         chunks = 0
         try:
             async for chunk in content:
-                await txn.write(chunk)
+                try:
+                    await txn.write(chunk)
+                except OSError as error:
+                    raise _fault(replica, f"writing {txn.length} bytes", error) from error
                 chunks += 1
         except BaseException:
             # Rolled back (or cancelled): a chunk still being written must land
             # before the next append may write at the same offset.
-            await settle(txn.settle())
+            with contextlib.suppress(OSError):
+                await settle(txn.settle())
             raise
         registers = _new_registers(replica, request) if txn.length else None
         # Once the commit record may be written, the commit runs to its end even if
         # the caller goes away: releasing the lock half-way would let the next
         # append overwrite bytes that recovery will then call committed.
-        commit = await settle(_commit(replica, txn, registers))
+        try:
+            commit = await settle(_commit(replica, txn, registers))
+        except OSError as error:  # nothing was committed: the spool's end did not move
+            raise _fault(replica, f"committing {txn.length} bytes", error) from error
     metrics.APPENDS.labels(replica.name).inc()
     metrics.APPEND_BYTES.labels(replica.name).inc(txn.length)
     return pb.AppendResponse(

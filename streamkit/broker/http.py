@@ -11,12 +11,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
-from aiohttp import web
+from aiohttp import ClientPayloadError, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from streamkit.broker.appends import append, refusal
+from streamkit.broker.faults import JournalFault
 from streamkit.broker.journals import JournalRegistry
 from streamkit.broker.reads import ReadStream
 from streamkit.broker.service import (
@@ -26,6 +28,8 @@ from streamkit.broker.service import (
 )
 from streamkit.protocol import pb
 from streamkit.protocol.fragments import content_name, digest_of, fragment_url
+
+log = logging.getLogger(__name__)
 
 _STATUS_HTTP = {
     pb.JOURNAL_NOT_FOUND: 404,
@@ -49,16 +53,25 @@ def _int_param(request: web.Request, name: str, default: int) -> int:
     if raw is None or raw == "":
         return default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
-        message = f"query parameter {name}: not an integer: {raw!r}\n"
+        message = f"query parameter {name}: not an integer: {_shown(raw)}\n"
         raise web.HTTPBadRequest(text=message) from None
+    if not -(1 << 63) <= value < 1 << 63:
+        raise web.HTTPBadRequest(text=f"query parameter {name}: out of range: {_shown(raw)}\n")
+    return value
+
+
+def _shown(text: str, limit: int = 80) -> str:
+    """`text` quoted for an error message: control characters escaped, long text cut."""
+    shown = repr(text[:limit])
+    return shown + "…" if len(text) > limit else shown
 
 
 def _bool_param(request: web.Request, name: str) -> bool:
     raw = request.query.get(name, "false").lower()
     if raw not in ("true", "false", "1", "0", ""):
-        raise web.HTTPBadRequest(text=f"query parameter {name}: not a boolean: {raw!r}\n")
+        raise web.HTTPBadRequest(text=f"query parameter {name}: not a boolean: {_shown(raw)}\n")
     return raw in ("true", "1")
 
 
@@ -100,6 +113,12 @@ class HttpGateway:
         return journal, await self.registry.replica(journal)
 
     async def read(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._read(request)
+        except JournalFault as fault:
+            return _error(fault.http_status, str(fault))
+
+    async def _read(self, request: web.Request) -> web.StreamResponse:
         journal, replica = await self._replica(request)
         offset = _int_param(request, "offset", 0)
         block = _bool_param(request, "block")
@@ -120,24 +139,37 @@ class HttpGateway:
         await response.prepare(request)
         if request.method == "HEAD":
             return response
-        async for message in _contents(responses, first.fragment.end, block):
-            await response.write(message)
+        try:
+            async for message in _contents(responses, first.fragment.end, block):
+                await response.write(message)
+        except JournalFault as fault:  # the status was sent: cut the body short, say why
+            log.warning("GET %s ended early: %s", journal, fault)
+            if request.transport is not None:
+                request.transport.close()
+            return response
         await response.write_eof()
         return response
 
     async def append(self, request: web.Request) -> web.Response:
-        journal, replica = await self._replica(request)
-        status = refusal(replica)
-        if status is not None:
-            return _status_error(status, journal)
         try:
+            journal, replica = await self._replica(request)
+            status = refusal(replica)
+            if status is not None:
+                return _status_error(status, journal)
             result = await append(
                 replica, pb.AppendRequest(journal=journal),
                 _body(request, self.service.append_timeout), self.service.header(),
             )
+        except JournalFault as fault:
+            return _error(fault.http_status, str(fault))
         except TimeoutError:
             return _error(408, f"request body stalled for {self.service.append_timeout:g}s; "
                                "the append was rolled back")
+        except (ConnectionError, ClientPayloadError) as error:
+            # The client went away mid-body: an everyday event, not a server error.
+            log.info("PUT %s: the client went away (%s); the append was rolled back",
+                     journal, error)
+            return _error(400, "the request body ended early; the append was rolled back")
         if result.status != pb.OK:
             return _status_error(result.status, journal)
         commit = result.commit

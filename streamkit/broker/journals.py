@@ -11,19 +11,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from streamkit.broker.faults import JournalUnavailable
 from streamkit.broker.replica import Replica, spool_directory
 from streamkit.broker.spool import Spool
-from streamkit.broker.stores import FragmentStore, open_store
+from streamkit.broker.stores import FragmentStore, StoreError, open_store
 from streamkit.keyspace import Compare, Delete, Event, KeySpace, Put
 from streamkit.protocol import pb
 
 log = logging.getLogger(__name__)
 
 DEFAULT_ROOT = "/gazette/cluster"
+NAME_MAX = 255  # bytes in a file name (a journal name's segment is a folder's name)
+RETRY_OPEN = 30.0  # seconds before a journal that failed to open is tried again
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        where = f" ({error.filename})" if error.filename else ""
+        return f"{error.strerror}{where}"
+    return str(error) or type(error).__name__
 
 
 @dataclass
@@ -62,6 +73,9 @@ class JournalRegistry:
         self._changed = asyncio.Event()
         self._watch_task: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()  # replicas of deleted journals
+        # Journals whose replica could not be opened: the spec revision that failed, when,
+        # and the fault every request gets until the spec changes or RETRY_OPEN passes.
+        self._failed: dict[str, tuple[int, float, JournalUnavailable]] = {}
 
     async def start(self) -> None:
         """Load every spec and recover its replica, then follow changes."""
@@ -69,7 +83,8 @@ class JournalRegistry:
         for kv in kvs:
             self._set(kv.key, kv.value, kv.create_revision, kv.mod_revision)
         for name in list(self.entries):
-            await self.replica(name)
+            with contextlib.suppress(JournalUnavailable):  # logged; the others are served
+                await self.replica(name)
         self._watch_task = asyncio.create_task(self._follow())
 
     async def stop(self) -> None:
@@ -88,19 +103,35 @@ class JournalRegistry:
         return self._changed
 
     async def replica(self, name: str) -> Replica | None:
-        """The replica of a journal, opened (and recovered) on first use."""
+        """The replica of a journal, opened (and recovered) on first use.
+
+        A journal that can't be opened raises JournalUnavailable, naming the
+        cause, and affects nothing else; it is tried again when its spec
+        changes, or RETRY_OPEN seconds later.
+        """
         replica = self._replicas.get(name)
         if replica is not None:
             return replica
         entry = self.entries.get(name)
         if entry is None:
             return None
+        failed = self._failed.get(name)
+        if failed is not None and failed[0] == entry.mod_revision and (
+                time.monotonic() - failed[1] < RETRY_OPEN):
+            raise failed[2]
         task = self._opening.get(name)
         if task is None:
             task = asyncio.create_task(self._open(entry.spec))
             self._opening[name] = task
         try:
             return await asyncio.shield(task)
+        except Exception as error:
+            fault = JournalUnavailable(name, f"cannot be served: {_reason(error)}; fix its spec "
+                                             "or delete it (streamkit journals apply)")
+            if failed is None or failed[0] != entry.mod_revision:
+                log.error("%s", fault, exc_info=not isinstance(error, OSError | StoreError))
+            self._failed[name] = (entry.mod_revision, time.monotonic(), fault)
+            raise fault from None
         finally:
             self._opening.pop(name, None)
 
@@ -113,6 +144,30 @@ class JournalRegistry:
 
     def stores_of(self, spec: pb.JournalSpec) -> list[FragmentStore]:
         return [open_store(url, self.file_root) for url in spec.fragment.stores]
+
+    def check_servable(self, changes: list[pb.ApplyRequest.Change]) -> None:
+        """Raise ValueError naming the field if this broker could not serve an upsert.
+
+        Beyond the protocol's rules: each name segment becomes a folder (at most
+        NAME_MAX bytes), and every store must open here. Checked at Apply, so a
+        spec that would fail when its journal is opened is never stored.
+        """
+        for index, change in enumerate(changes):
+            if not change.HasField("upsert"):
+                continue
+            spec = change.upsert
+            where = f"changes[{index}].upsert"
+            for segment in spec.name.split("/"):
+                size = len(segment.encode())
+                if size > NAME_MAX:
+                    raise ValueError(
+                        f"{where}.name: segment {segment[:24]!r}… is {size} bytes; each segment "
+                        f"of a journal name names a folder here, at most {NAME_MAX} bytes")
+            for i, url in enumerate(spec.fragment.stores):
+                try:
+                    open_store(url, self.file_root)
+                except (StoreError, ValueError) as error:
+                    raise ValueError(f"{where}.fragment.stores[{i}]: {error}") from None
 
     # --- Apply --------------------------------------------------------------
 
@@ -163,6 +218,7 @@ class JournalRegistry:
         seen = set()
         for kv in kvs:
             seen.add(self._set(kv.key, kv.value, kv.create_revision, kv.mod_revision))
+        seen.discard(None)
         for name in set(self.entries) - seen:
             self._drop(name)
         self.revision = revision
@@ -175,18 +231,32 @@ class JournalRegistry:
         else:
             self._set(kv.key, kv.value, kv.create_revision, kv.mod_revision)
 
-    def _set(self, key: str, value: bytes, create_rev: int, mod_rev: int) -> str:
-        spec = pb.JournalSpec.FromString(value)
+    def _set(self, key: str, value: bytes, create_rev: int, mod_rev: int) -> str | None:
+        """Take a spec in. Never raises: a bad one (written around Apply's checks)
+        affects its journal only, and must not stop the watch."""
+        try:
+            spec = pb.JournalSpec.FromString(value)
+        except Exception as error:
+            log.error("ignoring the undecodable journal spec at %s: %s", key, error)
+            return None
         self.entries[spec.name] = Entry(spec, create_rev, mod_rev)
         replica = self._replicas.get(spec.name)
         if replica is not None:
             replica.spec = spec
-            replica.stores = self.stores_of(spec)
+            try:
+                replica.stores = self.stores_of(spec)
+                replica.unavailable = None
+            except Exception as error:  # keep the old stores; refuse appends until fixed
+                replica.unavailable = JournalUnavailable(
+                    spec.name, f"its spec's fragment stores can't be opened: {_reason(error)}; "
+                               "appends are refused until the spec is fixed")
+                log.error("%s", replica.unavailable)
             replica.notify()
         return spec.name
 
     def _drop(self, name: str) -> None:
         self.entries.pop(name, None)
+        self._failed.pop(name, None)
         replica = self._replicas.pop(name, None)
         if replica is not None:
             task = asyncio.create_task(replica.close())

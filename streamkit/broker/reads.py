@@ -16,10 +16,12 @@ from datetime import timedelta
 from typing import BinaryIO
 
 from streamkit.broker import metrics
+from streamkit.broker.faults import ContentLost, storage_fault
 from streamkit.broker.replica import Replica
-from streamkit.broker.stores import FragmentStore
+from streamkit.broker.stores import FragmentStore, StoreError
 from streamkit.protocol import pb
 from streamkit.protocol.codecs import open_decompressed
+from streamkit.protocol.fragments import content_name
 
 CHUNK = 1 << 19  # 512 KiB: few messages per MB, well under gRPC's 4 MiB limit
 URL_TTL = timedelta(minutes=1)
@@ -97,7 +99,13 @@ class ReadStream:
         stop = self._stop(fragment)
         offset = self.offset
         while offset < stop and spool is not None and not spool.closed:
-            chunk = spool.read(offset, CHUNK, stop)
+            try:
+                chunk = spool.read(offset, CHUNK, stop)
+            except OSError as error:
+                raise storage_fault(self.replica.name, f"reading offset {offset}", error) from error
+            if not chunk:  # committed bytes are missing from the file: never spin on it
+                raise ContentLost(self.replica.name, f"its spool {spool.data_path} holds no "
+                                  f"bytes at offset {offset}, below its committed end {stop}")
             offset += len(chunk)
             yield chunk
 
@@ -105,16 +113,21 @@ class ReadStream:
         store = next((s for s in self.replica.stores if s.url == fragment.backing_store), None)
         if store is None:
             return
-        stream = await asyncio.to_thread(_open_at, store, fragment, self.offset)
+        doing = f"reading fragment {content_name(fragment)} from {store.url}"
+        try:
+            stream = await asyncio.to_thread(_open_at, store, fragment, self.offset)
+        except (OSError, StoreError) as error:
+            raise storage_fault(self.replica.name, doing, error) from error
         try:
             remaining = self._stop(fragment) - self.offset
             while remaining > 0:
-                chunk = await asyncio.to_thread(stream.read, min(CHUNK, remaining))
+                try:
+                    chunk = await asyncio.to_thread(stream.read, min(CHUNK, remaining))
+                except (OSError, StoreError) as error:
+                    raise storage_fault(self.replica.name, doing, error) from error
                 if not chunk:
-                    raise OSError(
-                        f"fragment {fragment.journal}@{fragment.begin:x}-{fragment.end:x} "
-                        f"ended early at offset {fragment.end - remaining}"
-                    )
+                    raise ContentLost(self.replica.name, f"{doing}: it ended early, at offset "
+                                      f"{fragment.end - remaining}")
                 remaining -= len(chunk)
                 yield chunk
         finally:

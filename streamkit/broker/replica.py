@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from streamkit.broker.faults import JournalFault
 from streamkit.broker.index import FragmentIndex
 from streamkit.broker.spool import Spool
 from streamkit.broker.stores import FragmentStore
@@ -42,6 +43,7 @@ class Replica:
         self.spool: Spool
         self.local: dict[int, Spool] = {}  # begin -> spool, the current one included
         self.deleted = False
+        self.unavailable: JournalFault | None = None  # why appends are refused, if they are
         self.reads_ended = False  # set at shutdown: read streams finish promptly
         self._changed = asyncio.Event()
         self._on_roll: Callable[[Replica, Spool], None] = lambda r, s: None
@@ -159,10 +161,17 @@ class Replica:
         return due
 
     def roll(self) -> None:
-        """Close the current spool to appends and start the next at the write head."""
+        """Close the current spool to appends and start the next at the write head.
+
+        The next spool is made first: if that fails (a full disk), the current
+        one goes on taking appends and nothing changed.
+        """
         old = self.spool
+        codec = self.spec.fragment.compression_codec
+        new = Spool.create(self.name, self.directory, old.end, codec, self.registers)
         old.seal()
-        self._start_spool(old.end)
+        self.spool = new
+        self._track_local(new)
         self._on_roll(self, old)
         self.notify()
 

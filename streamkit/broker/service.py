@@ -12,12 +12,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import grpc
 
 from streamkit.broker import metrics
 from streamkit.broker.appends import RolledBack, append, refusal
+from streamkit.broker.faults import JournalFault
 from streamkit.broker.journals import ApplyConflict, JournalRegistry
 from streamkit.broker.reads import ReadStream
 from streamkit.protocol import pb, pb_grpc
@@ -90,6 +91,14 @@ class JournalService(pb_grpc.JournalServicer):
         metrics.RPC_ERRORS.labels(method, "INVALID_ARGUMENT").inc()
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
+    async def _fault(self, context: grpc.aio.ServicerContext, method: str,
+                     fault: JournalFault) -> NoReturn:
+        """End the RPC with the fault's status; the journal's problem is logged once, where
+        it arose, not for each request it fails."""
+        metrics.RPC_ERRORS.labels(method, fault.grpc_code.name).inc()
+        await context.abort(fault.grpc_code, str(fault))
+        raise AssertionError("unreachable: abort raises")
+
     async def _check(
         self, context: grpc.aio.ServicerContext, method: str, validate: Callable[[T], None],
         request: T,
@@ -139,6 +148,7 @@ class JournalService(pb_grpc.JournalServicer):
 
     async def Apply(self, request: pb.ApplyRequest, context) -> pb.ApplyResponse:
         await self._check(context, "Apply", _validate_changes, request.changes)
+        await self._check(context, "Apply", self.registry.check_servable, list(request.changes))
         try:
             await self.registry.apply(list(request.changes))
         except ApplyConflict:
@@ -149,7 +159,10 @@ class JournalService(pb_grpc.JournalServicer):
 
     async def Read(self, request: pb.ReadRequest, context) -> AsyncIterator[pb.ReadResponse]:
         await self._check(context, "Read", _validate_read, request)
-        replica = await self.registry.replica(request.journal)
+        try:
+            replica = await self.registry.replica(request.journal)
+        except JournalFault as fault:
+            await self._fault(context, "Read", fault)
         if replica is None:
             yield pb.ReadResponse(status=pb.JOURNAL_NOT_FOUND, header=self.header())
             return
@@ -160,6 +173,8 @@ class JournalService(pb_grpc.JournalServicer):
         try:
             async for response in ReadStream(replica, request, self.header()).responses():
                 yield response
+        except JournalFault as fault:  # the read can't go on: it ends, saying why
+            await self._fault(context, "Read", fault)
         finally:
             metrics.READS_OPEN.dec()
 
@@ -171,14 +186,17 @@ class JournalService(pb_grpc.JournalServicer):
         except StopAsyncIteration:
             await self._abort(context, "Append", BadRequest("Append stream ended before a request"))
         await self._check(context, "Append", _validate_append, first)
-        replica = await self.registry.replica(first.journal)
-        status = refusal(replica)
-        if status is not None:
-            metrics.APPEND_FAILURES.labels(pb.Status.Name(status)).inc()
-            return pb.AppendResponse(status=status, header=self.header())
         try:
+            replica = await self.registry.replica(first.journal)
+            status = refusal(replica)
+            if status is not None:
+                metrics.APPEND_FAILURES.labels(pb.Status.Name(status)).inc()
+                return pb.AppendResponse(status=status, header=self.header())
+            assert replica is not None
             content = _content(first, request_iterator, self.append_timeout)
             return await append(replica, first, content, self.header())
+        except JournalFault as fault:
+            await self._fault(context, "Append", fault)
         except BadRequest as err:
             await self._abort(context, "Append", err)
         except TimeoutError:
@@ -190,7 +208,10 @@ class JournalService(pb_grpc.JournalServicer):
 
     async def ListFragments(self, request: pb.FragmentsRequest, context) -> pb.FragmentsResponse:
         await self._check(context, "ListFragments", _validate_fragments, request)
-        replica = await self.registry.replica(request.journal)
+        try:
+            replica = await self.registry.replica(request.journal)
+        except JournalFault as fault:
+            await self._fault(context, "ListFragments", fault)
         if replica is None:
             return pb.FragmentsResponse(status=pb.JOURNAL_NOT_FOUND, header=self.header())
         limit = request.page_limit or DEFAULT_FRAGMENTS_PAGE

@@ -21,7 +21,9 @@ wholly present or wholly absent.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
+import logging
 import os
 import struct
 import time
@@ -32,6 +34,8 @@ from pathlib import Path
 
 from streamkit.protocol import pb
 from streamkit.protocol.fragments import sum_of
+
+logger = logging.getLogger(__name__)
 
 # A commit record: end offset, commit time (unix ms), registers length (or
 # NO_REGISTERS when unchanged), inline content length, then the registers
@@ -70,8 +74,9 @@ class CommitLog:
     inline: list[tuple[int, bytes]]  # (offset, content) of appends carried in the log
 
 
-def read_commit_log(path: Path, begin: int) -> CommitLog:
-    """Scan a commit log, stopping at the first torn or corrupt record."""
+def read_commit_log(path: Path, begin: int, limit: int | None = None) -> CommitLog:
+    """Scan a commit log, stopping at the first torn or corrupt record (or the first
+    one committing past `limit`)."""
     data = path.read_bytes() if path.exists() else b""
     log = CommitLog(end=begin, registers=None, first_append_ms=0, valid_bytes=0, inline=[])
     pos = 0
@@ -84,6 +89,8 @@ def read_commit_log(path: Path, begin: int) -> CommitLog:
         (crc,) = _CRC.unpack_from(data, stop)
         if crc != zlib.crc32(data[pos:stop]) or rec_end - inline_len < log.end:
             break
+        if limit is not None and rec_end > limit:
+            break
         if size != NO_REGISTERS:
             log.registers = pb.LabelSet.FromString(data[pos + _HEAD.size : stop - inline_len])
         if inline_len:
@@ -93,6 +100,22 @@ def read_commit_log(path: Path, begin: int) -> CommitLog:
         log.end, pos = rec_end, stop + _CRC.size
         log.valid_bytes = pos
     return log
+
+
+def write_all(fd: int, data: bytes, offset: int | None = None) -> None:
+    """Write all of `data` (at `offset`, else at the file's end), or raise OSError.
+
+    A write may store fewer bytes than asked (a full disk, RLIMIT_FSIZE); the
+    rest is retried, and a write that makes no progress is an error, so a
+    partial write is never mistaken for a whole one.
+    """
+    view, done = memoryview(data), 0
+    while done < len(view):
+        n = (os.write(fd, view[done:]) if offset is None
+             else os.pwrite(fd, view[done:], offset + done))
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "the write made no progress (disk full?)")
+        done += n
 
 
 def _fsync_dir(path: Path) -> None:
@@ -139,8 +162,12 @@ class Spool:
         directory.mkdir(parents=True, exist_ok=True)
         spool = cls(journal=journal, directory=directory, begin=begin, codec=codec, end=begin)
         spool._open(truncate=True)
-        os.write(spool._log_fd, _encode_record(begin, 0, registers))
-        os.fsync(spool._log_fd)
+        try:
+            write_all(spool._log_fd, _encode_record(begin, 0, registers))
+            os.fsync(spool._log_fd)
+        except OSError:
+            spool.remove_files()
+            raise
         os.fsync(spool._fd)
         _fsync_dir(directory)
         return spool
@@ -154,11 +181,21 @@ class Spool:
         spool._open(truncate=False)
         os.ftruncate(spool._log_fd, log.valid_bytes)
         for offset, content in log.inline:  # small appends whose spool write was not synced
-            os.pwrite(spool._fd, content, offset - begin)
+            write_all(spool._fd, content, offset - begin)
         if log.inline:
             os.fdatasync(spool._fd)
-        if os.fstat(spool._fd).st_size < log.end - begin:
-            raise OSError(f"spool {data_path} is shorter than its committed end {log.end}")
+        size = os.fstat(spool._fd).st_size
+        if size < log.end - begin:
+            # The file lost committed bytes (damage from outside: a truncation, a disk
+            # fault). Serve the committed prefix that is intact rather than nothing.
+            committed = log.end
+            log = read_commit_log(spool.log_path, begin, limit=begin + size)
+            os.ftruncate(spool._log_fd, log.valid_bytes)
+            logger.error(
+                "journal %s: DAMAGED: spool %s holds %d bytes but [%d, %d) were committed; "
+                "serving [%d, %d), the rest is lost (restore it from a copy if there is one)",
+                journal, data_path, size, begin, committed, begin, log.end,
+            )
         os.ftruncate(spool._fd, log.end - begin)
         spool.end = log.end
         spool.first_append_ms = log.first_append_ms
@@ -290,7 +327,7 @@ class SpoolAppend:
             future.result()
 
     def _write(self, data: bytes, at: int) -> None:
-        os.pwrite(self.spool._fd, data, self.begin - self.spool.begin + at)
+        write_all(self.spool._fd, data, self.begin - self.spool.begin + at)
         self._spool_sha1.update(data)
         self._sha1.update(data)
 
@@ -335,8 +372,7 @@ def _sync_commit(spool: Spool, log_fd: int, record: bytes, sync_spool: bool) -> 
         spool.release_cache()
     size = os.fstat(log_fd).st_size
     try:
-        if os.write(log_fd, record) != len(record):
-            raise OSError(f"short write to {spool.log_path} (disk full?)")
+        write_all(log_fd, record)
         os.fdatasync(log_fd)
     except BaseException:
         try:

@@ -1,0 +1,218 @@
+"""Ordinary faults against a real broker: a full disk, damaged spools, specs it can't open.
+
+Each test checks the promise: every acknowledged byte reads back, nothing
+unacknowledged is visible, the fault fails one operation with a status that
+names the journal and the cause, the broker keeps serving (other journals
+too), and it restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from streamkit.keyspace import open_keyspace
+from streamkit.protocol import pb
+from tests import wire
+from tests.brokerproc import BrokerProcess
+
+MIB = 1 << 20
+LIMIT = 6 * MIB + MIB // 2  # RLIMIT_FSIZE: no file of the broker may grow past 6.5 MiB
+
+
+def put(broker: BrokerProcess, journal: str, body: bytes) -> tuple[int, str]:
+    request = urllib.request.Request(f"{broker.http_url}/{journal}", data=body, method="PUT")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, ""
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def body(i: int, size: int = MIB) -> bytes:
+    return bytes([65 + i % 26]) * size
+
+
+def test_a_full_disk_fails_the_append_and_acknowledges_nothing_partial(tmp_path: Path) -> None:
+    broker = BrokerProcess(tmp_path / "broker", fsize_limit=LIMIT).start()
+    try:
+        journals = wire.stub(broker.address)
+        wire.create(journals, wire.spec("disk/full", length=512 * MIB),
+                    wire.spec("disk/other", length=512 * MIB))
+        acked = []
+        for i in range(8):
+            code, text = put(broker, "disk/full", body(i))
+            if code != 204:
+                break
+            acked.append(body(i))
+        # Six bodies fit below the limit; the seventh is written only in part (the kernel
+        # stores what fits), and is refused, naming the journal and the cause, with the
+        # HTTP status for "insufficient storage".
+        assert len(acked) == 6, text
+        assert code == 507, (code, text)
+        assert "journal disk/full" in text and "File too large" in text, text
+        with pytest.raises(grpc.RpcError) as refused:
+            wire.append(journals, "disk/full", body(9))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "journal disk/full" in refused.value.details()
+
+        # Nothing partial is visible: the journal ends where the last acknowledged append
+        # ended, and a read at that offset says so at once (no busy loop on missing bytes).
+        content, meta = wire.read(journals, "disk/full")
+        assert content == b"".join(acked)
+        assert meta[-1].write_head == 6 * MIB
+        _, tail = wire.read(journals, "disk/full", offset=6 * MIB)
+        assert tail[0].status == pb.OFFSET_NOT_YET_AVAILABLE
+        # The broker and its other journals keep serving.
+        assert wire.append(journals, "disk/other", b"fine").commit.end == 4
+        # Room again (the spool rolls to a new file once fragments may be 1 MiB): the same
+        # journal takes appends at the offset where it stopped.
+        upsert = wire.spec("disk/full", length=MIB)
+        listed = journals.List(pb.ListRequest(selector=pb.LabelSelector(
+            include=pb.LabelSet(labels=[pb.Label(name="name", value="disk/full")]))))
+        revision = next(iter(listed)).journals[0].mod_revision
+        journals.Apply(pb.ApplyRequest(changes=[
+            pb.ApplyRequest.Change(expect_mod_revision=revision, upsert=upsert)]))
+        again = wire.append(journals, "disk/full", b"after")
+        assert (again.commit.begin, again.commit.end) == (6 * MIB, 6 * MIB + 5)
+        acked.append(b"after")
+    finally:
+        broker.kill()
+    broker.fsize_limit = None
+    broker.start()  # and it restarts, with every acknowledged byte
+    try:
+        content, _ = wire.read(wire.stub(broker.address), "disk/full")
+        assert content == b"".join(acked)
+    finally:
+        broker.kill()
+
+
+def test_a_damaged_spool_serves_its_intact_prefix_and_spares_the_others(
+        tmp_path: Path) -> None:
+    broker = BrokerProcess(tmp_path / "broker").start()
+    journals = wire.stub(broker.address)
+    wire.create(journals, wire.spec("dmg/hurt"), wire.spec("dmg/fine"))
+    for i in range(3):
+        wire.append(journals, "dmg/hurt", body(i, 40 << 10))  # not inline: in the spool only
+    wire.append(journals, "dmg/fine", b"untouched")
+    broker.kill()
+    (spool,) = (broker.data_dir / "journals" / "dmg" / "hurt" / "@spool").glob("*.spool")
+    os.truncate(spool, (40 << 10) * 2 + 100)  # damage from outside: the third append is cut
+
+    broker.start()
+    try:
+        journals = wire.stub(broker.address)
+        content, _ = wire.read(journals, "dmg/hurt")
+        assert content == body(0, 40 << 10) + body(1, 40 << 10)
+        assert wire.read(journals, "dmg/fine")[0] == b"untouched"
+        assert "journal dmg/hurt: DAMAGED" in broker.log()
+        assert wire.append(journals, "dmg/hurt", b"more").commit.begin == 80 << 10
+    finally:
+        broker.kill()
+
+
+BAD_SPECS = {
+    "name": ("a" * 300, "segment 'aaaaaaaaaaaaaaaaaaaaaaaa'… is 300 bytes"),
+    "utf-8 name": ("x/" + "ü" * 128, "is 256 bytes"),
+    "gs": ("ok/gs", "gs:// stores are not supported"),
+    "azure": ("ok/azure", "azure:// stores are not supported"),
+    "escape": ("ok/escape", "is not a clean relative path"),
+    "dot": ("ok/dot", "is not a clean relative path"),
+    "query": ("ok/query", "unknown query argument 'x'"),
+}
+STORES = {"gs": "gs://bucket/", "azure": "azure://account/container/",
+          "escape": "file:///../../x/", "dot": "file:///./x/", "query": "file:///a/b/?x=1"}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SPECS))
+def test_apply_refuses_specs_the_broker_could_not_open(shared_broker: BrokerProcess,
+                                                       case: str) -> None:
+    name, message = BAD_SPECS[case]
+    spec = wire.spec(name, stores=[STORES.get(case, "file:///")])
+    with pytest.raises(grpc.RpcError) as refused:
+        wire.create(wire.stub(shared_broker.address), spec)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    field = "name" if case in ("name", "utf-8 name") else "fragment.stores[0]"
+    assert f"changes[0].upsert.{field}: " in refused.value.details()
+    assert message in refused.value.details(), refused.value.details()
+
+
+def _sneak_spec(broker: BrokerProcess, spec: pb.JournalSpec) -> None:
+    """Write a spec straight into the broker's KeySpace, around Apply's checks (as an
+    older version, or another tool, may have)."""
+
+    async def write() -> None:
+        async with open_keyspace(str(broker.data_dir / "keyspace.db")) as keyspace:
+            await keyspace.put(f"/gazette/cluster/items/{spec.name}", spec.SerializeToString())
+
+    asyncio.run(write())
+
+
+def test_an_unopenable_spec_affects_its_journal_only(tmp_path: Path) -> None:
+    broker = BrokerProcess(tmp_path / "broker").start()
+    try:
+        journals = wire.stub(broker.address)
+        wire.create(journals, wire.spec("open/good"))
+        wire.append(journals, "open/good", b"kept")
+        _sneak_spec(broker, wire.spec("open/bad", stores=["gs://bucket/"]))
+        broker.kill()
+        broker.start()  # it starts anyway, and says what is wrong with which journal
+        journals = wire.stub(broker.address)
+        assert wire.read(journals, "open/good")[0] == b"kept"
+        assert "journal open/bad: cannot be served" in broker.log()
+        with pytest.raises(grpc.RpcError) as refused:
+            wire.append(journals, "open/bad", b"x")
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "gs:// stores are not supported" in refused.value.details()
+        code, text = put(broker, "open/bad", b"x")
+        assert code == 503 and "journal open/bad: cannot be served" in text
+        # Apply fixes it (or deletes it); the journal is served at once.
+        listed = next(iter(journals.List(pb.ListRequest())))
+        bad = next(j for j in listed.journals if j.spec.name == "open/bad")
+        journals.Apply(pb.ApplyRequest(changes=[pb.ApplyRequest.Change(
+            expect_mod_revision=bad.mod_revision, upsert=wire.spec("open/bad"))]))
+        assert wire.append(journals, "open/bad", b"fixed").commit.end == 5
+    finally:
+        broker.kill()
+
+
+def test_a_bad_spec_update_does_not_stop_the_watch(tmp_path: Path) -> None:
+    broker = BrokerProcess(tmp_path / "broker").start()
+    try:
+        journals = wire.stub(broker.address)
+        wire.create(journals, wire.spec("watch/open"))
+        wire.append(journals, "watch/open", b"before")
+        _sneak_spec(broker, wire.spec("watch/open", stores=["file:///../../x/"]))
+        acked = [b"before"]
+
+        def refused() -> bool:
+            try:
+                wire.append(journals, "watch/open", b"x")
+            except grpc.RpcError as error:
+                return error.code() == grpc.StatusCode.FAILED_PRECONDITION
+            acked.append(b"x")  # before the watch delivered the bad spec
+            return False
+
+        wire.wait_until(refused)
+        # The watch goes on: a new journal is applied and served, and reads go on.
+        wire.create(journals, wire.spec("watch/new"))
+        assert wire.append(journals, "watch/new", b"served").commit.end == 6
+        assert wire.read(journals, "watch/open")[0] == b"".join(acked)
+    finally:
+        broker.kill()
+
+
+def test_http_offsets_out_of_range_and_names_with_control_characters(
+        shared_broker: BrokerProcess) -> None:
+    for query in ("offset=99999999999999999999999", "offset=-99999999999999999999"):
+        request = urllib.request.Request(f"{shared_broker.http_url}/any/journal?{query}")
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(request, timeout=10)
+        assert failed.value.code == 400
+        assert "offset: out of range" in failed.value.read().decode()
