@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -216,3 +219,67 @@ def test_http_offsets_out_of_range_and_names_with_control_characters(
             urllib.request.urlopen(request, timeout=10)
         assert failed.value.code == 400
         assert "offset: out of range" in failed.value.read().decode()
+
+
+def test_a_trickling_appender_is_rolled_back_and_frees_the_journal(
+        shared_broker: BrokerProcess) -> None:
+    journals = wire.stub(shared_broker.address)
+    wire.create(journals, wire.spec("slow/trickle"))
+
+    def trickle() -> Iterator[pb.AppendRequest]:
+        yield pb.AppendRequest(journal="slow/trickle")
+        for _ in range(60):  # a byte every half second: far below 64 KiB/s
+            yield pb.AppendRequest(content=b"x")
+            time.sleep(0.5)
+        yield pb.AppendRequest()
+
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as aborted:
+        journals.Append(trickle())
+    assert time.monotonic() - started < 6
+    assert aborted.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "below the minimum rate of 64 KiB/s; rolled back" in aborted.value.details()
+    # Nothing of it was appended, and the journal takes the next append at once.
+    assert wire.append(journals, "slow/trickle", b"next").commit.begin == 0
+
+
+def test_gazette_request_rules_for_appends(shared_broker: BrokerProcess) -> None:
+    journals = wire.stub(shared_broker.address)
+    wire.create(journals, wire.spec("rules/append"))
+    cases = {
+        "the first AppendRequest carries no content": pb.AppendRequest(
+            journal="rules/append", content=b"early"),
+        "union_registers: label 'bad name'": pb.AppendRequest(
+            journal="rules/append",
+            union_registers=pb.LabelSet(labels=[pb.Label(name="bad name", value="x")])),
+        "subtract_registers: labels must be sorted": pb.AppendRequest(
+            journal="rules/append", subtract_registers=pb.LabelSet(
+                labels=[pb.Label(name="bb", value="1"), pb.Label(name="aa", value="1")])),
+    }
+    for message, first in cases.items():
+        with pytest.raises(grpc.RpcError) as refused:
+            journals.Append(wire.append_requests(first, [b"content"]))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, message
+        assert message in refused.value.details()
+    # A 10 KB name is refused by length, without echoing it into the status.
+    with pytest.raises(grpc.RpcError) as refused:
+        wire.read(journals, "n" * 10_000)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(refused.value.details()) < 200
+    assert wire.read(journals, "rules/append")[0] == b""  # nothing got in
+
+
+def test_a_client_vanishing_mid_put_is_rolled_back_quietly(tmp_path: Path) -> None:
+    broker = BrokerProcess(tmp_path / "broker").start()
+    try:
+        journals = wire.stub(broker.address)
+        wire.create(journals, wire.spec("gone/put"))
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", broker.port + 1), timeout=10) as sock:
+                sock.sendall(b"PUT /gone/put HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n"
+                             b"\r\n" + b"y" * 5000)
+        assert wire.append(journals, "gone/put", b"whole").commit.begin == 0
+        assert wire.read(journals, "gone/put")[0] == b"whole"
+        assert "Traceback" not in broker.log() and "ERROR" not in broker.log(), broker.log()
+    finally:
+        broker.kill()

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from streamkit.broker.appends import append, refusal
 from streamkit.broker.faults import JournalFault
 from streamkit.broker.journals import JournalRegistry
+from streamkit.broker.pace import AppendPace
 from streamkit.broker.reads import ReadStream
 from streamkit.broker.service import (
     BadRequest,
@@ -158,13 +159,12 @@ class HttpGateway:
                 return _status_error(status, journal)
             result = await append(
                 replica, pb.AppendRequest(journal=journal),
-                _body(request, self.service.append_timeout), self.service.header(),
+                _body(request, self.service.pace(), journal), self.service.header(),
             )
         except JournalFault as fault:
             return _error(fault.http_status, str(fault))
-        except TimeoutError:
-            return _error(408, f"request body stalled for {self.service.append_timeout:g}s; "
-                               "the append was rolled back")
+        except TimeoutError as err:
+            return _error(408, str(err))
         except (ConnectionError, ClientPayloadError) as error:
             # The client went away mid-body: an everyday event, not a server error.
             log.info("PUT %s: the client went away (%s); the append was rolled back",
@@ -183,13 +183,18 @@ class HttpGateway:
         )
 
 
-async def _body(request: web.Request, timeout: float) -> AsyncIterator[bytes]:
-    """The request body in chunks; a stalled client must not hold the journal forever."""
+async def _body(request: web.Request, pace: AppendPace, journal: str) -> AsyncIterator[bytes]:
+    """The request body in chunks, within the appender's pace (streamkit.broker.pace): a
+    slow client must not hold the journal for as long as it likes."""
     while True:
-        async with asyncio.timeout(timeout):  # around the read only, never the yield
-            chunk = await request.content.read(1 << 20)
+        try:
+            async with asyncio.timeout(pace.next_timeout()):  # the read only, never the yield
+                chunk = await request.content.read(1 << 20)
+        except TimeoutError:
+            raise pace.timed_out(journal) from None
         if not chunk:
             return
+        pace.got(len(chunk))
         yield chunk
 
 

@@ -24,6 +24,7 @@ import grpc
 
 from streamkit.broker.http import HttpGateway
 from streamkit.broker.journals import JournalRegistry
+from streamkit.broker.pace import DEFAULT_MIN_APPEND_RATE
 from streamkit.broker.persister import Persister
 from streamkit.broker.replica import Replica
 from streamkit.broker.service import APPEND_CHUNK_TIMEOUT, Identity, JournalService
@@ -49,6 +50,7 @@ class BrokerConfig:
     suffix: str = field(default_factory=socket.gethostname)
     shutdown_grace: float = 5.0
     append_timeout: float = APPEND_CHUNK_TIMEOUT
+    min_append_rate: float = DEFAULT_MIN_APPEND_RATE
 
     @property
     def fragment_root(self) -> Path:
@@ -86,7 +88,8 @@ class Broker:
         await self.registry.start()
         endpoint = f"grpc://{cfg.host}:{cfg.port}"
         identity = Identity(zone=cfg.zone, suffix=cfg.suffix, endpoint=endpoint)
-        self.service = JournalService(self.registry, identity, cfg.append_timeout)
+        self.service = JournalService(self.registry, identity, cfg.append_timeout,
+                                      cfg.min_append_rate)
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE),

@@ -20,10 +20,16 @@ from streamkit.broker import metrics
 from streamkit.broker.appends import RolledBack, append, refusal
 from streamkit.broker.faults import JournalFault
 from streamkit.broker.journals import ApplyConflict, JournalRegistry
+from streamkit.broker.pace import DEFAULT_MIN_APPEND_RATE, AppendPace
 from streamkit.broker.reads import ReadStream
 from streamkit.protocol import pb, pb_grpc
 from streamkit.protocol.apply import check_apply_changes
-from streamkit.protocol.labels import labels_with_meta, matches, validate_selector
+from streamkit.protocol.labels import (
+    labels_with_meta,
+    matches,
+    validate_label_set,
+    validate_selector,
+)
 from streamkit.protocol.spec import journal_name_problem, validate_proto
 
 log = logging.getLogger(__name__)
@@ -79,10 +85,15 @@ class JournalService(pb_grpc.JournalServicer):
         registry: JournalRegistry,
         identity: Identity,
         append_timeout: float = APPEND_CHUNK_TIMEOUT,
+        min_append_rate: float = DEFAULT_MIN_APPEND_RATE,
     ) -> None:
         self.registry = registry
         self.identity = identity
         self.append_timeout = append_timeout  # longest wait for an appender's next chunk
+        self.min_append_rate = min_append_rate  # bytes/s an appender must keep up (0: any)
+
+    def pace(self) -> AppendPace:
+        return AppendPace(self.min_append_rate, self.append_timeout)
 
     def header(self) -> pb.Header:
         return self.identity.header(self.registry.revision)
@@ -193,14 +204,14 @@ class JournalService(pb_grpc.JournalServicer):
                 metrics.APPEND_FAILURES.labels(pb.Status.Name(status)).inc()
                 return pb.AppendResponse(status=status, header=self.header())
             assert replica is not None
-            content = _content(first, request_iterator, self.append_timeout)
+            content = _content(first, request_iterator, self.pace())
             return await append(replica, first, content, self.header())
         except JournalFault as fault:
             await self._fault(context, "Append", fault)
         except BadRequest as err:
             await self._abort(context, "Append", err)
-        except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "Append stalled; rolled back")
+        except TimeoutError as err:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
         except RolledBack as err:
             await context.abort(grpc.StatusCode.CANCELLED, str(err))
 
@@ -240,34 +251,38 @@ class JournalService(pb_grpc.JournalServicer):
         )
 
 
-async def _next_chunk(requests, timeout: float) -> pb.AppendRequest:
-    """The next AppendRequest; a stalled appender must not hold the journal forever.
+async def _next_chunk(requests, pace: AppendPace, journal: str) -> pb.AppendRequest:
+    """The next AppendRequest, within the appender's pace (see streamkit.broker.pace).
 
     asyncio.timeout (not wait_for, which starts a task per call) and only around
     the receive, never around a yield to the consumer.
     """
-    async with asyncio.timeout(timeout):
-        return await anext(requests)
+    try:
+        async with asyncio.timeout(pace.next_timeout()):
+            return await anext(requests)
+    except TimeoutError:
+        raise pace.timed_out(journal) from None
 
 
 async def _content(
-    first: pb.AppendRequest, requests, timeout: float
+    first: pb.AppendRequest, requests, pace: AppendPace
 ) -> AsyncIterator[bytes]:
     """Content chunks of an Append stream; raises RolledBack if it ends without commit."""
-    if first.content:
-        yield first.content
     while True:
         try:
-            request = await _next_chunk(requests, timeout)
+            request = await _next_chunk(requests, pace, first.journal)
         except StopAsyncIteration:
             raise RolledBack("Append stream ended without its commit (empty) chunk") from None
-        if request.journal or request.offset or request.HasField("check_registers"):
+        if (request.journal or request.offset or request.HasField("check_registers")
+                or request.HasField("union_registers")
+                or request.HasField("subtract_registers")):
             raise BadRequest("Append: only the first AppendRequest may carry parameters")
         if not request.content:
             break
+        pace.got(len(request.content))
         yield request.content
     try:
-        await _next_chunk(requests, timeout)
+        await _next_chunk(requests, pace, first.journal)
     except StopAsyncIteration:
         return
     raise BadRequest("Append: content followed the commit (empty) chunk")
@@ -302,11 +317,21 @@ def _validate_read(request: pb.ReadRequest) -> None:
 
 
 def _validate_append(request: pb.AppendRequest) -> None:
+    """The first AppendRequest, checked as Gazette checks it."""
     check_journal_name(request.journal)
     if request.offset < 0:
         raise BadRequest(f"Append {request.journal}: offset must be >= 0 (got {request.offset})")
+    if request.content:
+        raise BadRequest(f"Append {request.journal}: the first AppendRequest carries no "
+                         "content (send it in the requests that follow)")
     if request.HasField("check_registers"):
         validate_selector(request.check_registers)
+    for field in ("union_registers", "subtract_registers"):
+        if request.HasField(field):
+            try:
+                validate_label_set(getattr(request, field))
+            except ValueError as err:
+                raise BadRequest(f"Append {request.journal}: {field}: {err}") from None
 
 
 def _validate_fragments(request: pb.FragmentsRequest) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from streamkit.broker.pace import DEFAULT_MIN_APPEND_RATE
 from streamkit.broker.server import DEFAULT_PORT, BrokerConfig, serve
 from streamkit.cli.logs import configure_logging
 from streamkit.keyspace import KeySpaceError
@@ -32,18 +33,22 @@ def broker() -> None:
 @click.option("--append-timeout", type=click.FloatRange(min=0.1), default=30.0,
               show_default=True,
               help="Seconds an appender may stall mid-append before it is rolled back.")
+@click.option("--min-append-rate", type=click.IntRange(min=0), default=DEFAULT_MIN_APPEND_RATE,
+              show_default=True,
+              help="Bytes per second an appender must keep up, or its append is rolled back "
+                   "(it holds the journal meanwhile); 0: no minimum.")
 @click.option("--log-level", default="INFO", show_default=True, envvar="STREAMKIT_LOG_LEVEL",
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @click.option("--log-format", default="text", show_default=True, envvar="STREAMKIT_LOG_FORMAT",
               type=click.Choice(["text", "json"]), help="json: one structured object per line.")
 def serve_cmd(data_dir: Path, port: int, http_port: int | None, host: str,
               file_root: Path | None, keyspace: str | None, append_timeout: float,
-              log_level: str, log_format: str) -> None:
+              min_append_rate: int, log_level: str, log_format: str) -> None:
     """Serve journals until SIGTERM or Ctrl-C."""
     configure_logging(log_level, log_format)
     config = BrokerConfig(data_dir=data_dir.resolve(), port=port, http_port=http_port, host=host,
                           file_root=file_root.resolve() if file_root else None, keyspace=keyspace,
-                          append_timeout=append_timeout)
+                          append_timeout=append_timeout, min_append_rate=min_append_rate)
     try:
         serve(config)
     except (OSError, RuntimeError, KeySpaceError) as err:

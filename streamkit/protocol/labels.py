@@ -219,6 +219,20 @@ def validate_selector(selector: pb.LabelSelector) -> None:
                 raise SelectorError(f"{side} label {lbl.name}={lbl.value}: {problem}")
 
 
+def validate_label_set(labels: pb.LabelSet) -> None:
+    """Raise ValueError unless ``labels`` is a well-formed set: valid names and values,
+    sorted by (name, value), each once, no prefix matching (as register updates must be)."""
+    triples = [(lbl.name, lbl.value) for lbl in labels.labels]
+    for lbl in labels.labels:
+        problem = label_name_problem(lbl.name) or label_value_problem(lbl.value)
+        if problem:
+            raise ValueError(f"label {lbl.name[:64]!r}: {problem}")
+        if lbl.prefix:
+            raise ValueError(f"label {lbl.name!r}: prefix matching is for selectors only")
+    if triples != sorted(set(triples)):
+        raise ValueError("labels must be sorted by (name, value), each once")
+
+
 # --- selector text ----------------------------------------------------------------
 
 
