@@ -28,7 +28,7 @@ from streamkit.broker.pace import DEFAULT_MIN_APPEND_RATE
 from streamkit.broker.persister import Persister
 from streamkit.broker.replica import Replica
 from streamkit.broker.service import APPEND_CHUNK_TIMEOUT, Identity, JournalService
-from streamkit.keyspace import open_keyspace
+from streamkit.keyspace import KeySpaceError, open_keyspace
 from streamkit.protocol import pb_grpc
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class Broker:
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
         self._stopping = asyncio.Event()
+        self._tick_failed: set[str] = set()  # journals whose last periodic roll failed
         self.persister = Persister(config.data_dir / "tmp")
         self.registry: JournalRegistry
         self.server: grpc.aio.Server
@@ -117,7 +118,10 @@ class Broker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop)
-        await self.start()
+        try:
+            await self.start()
+        except (OSError, RuntimeError, KeySpaceError) as err:
+            raise StartupFailed(str(err)) from err
         ticker = asyncio.create_task(self._tick())
         try:
             await self._stopping.wait()
@@ -148,7 +152,11 @@ class Broker:
     async def _roll_for_shutdown(self, replica: Replica) -> None:
         async with replica.append_lock:
             if replica.spool.length and replica.stores:
-                replica.roll()
+                try:
+                    replica.roll()
+                except OSError as err:  # a full disk: the spool is recovered at restart
+                    log.warning("journal %s: could not roll its spool for persisting before "
+                                "shutdown (%s); it stays spooled", replica.name, err)
 
     async def _tick(self) -> None:
         """Roll spools whose flush interval passed, and refresh store listings."""
@@ -161,8 +169,13 @@ class Broker:
                         async with replica.append_lock:
                             replica.maybe_roll(now)
                     await self._maybe_refresh(replica, now)
-                except Exception:  # one journal's trouble (disk full, say) must not stop the rest
-                    log.exception("periodic roll/refresh of %s failed", replica.name)
+                    self._tick_failed.discard(replica.name)
+                except Exception as err:  # one journal's trouble (a full disk) spares the rest
+                    if replica.name not in self._tick_failed:  # once, not every tick
+                        self._tick_failed.add(replica.name)
+                        log.warning("journal %s: periodic roll/refresh failed (retrying every "
+                                    "%gs): %s", replica.name, TICK, err,
+                                    exc_info=not isinstance(err, OSError))
 
     async def _maybe_refresh(self, replica: Replica, now: float) -> None:
         interval = replica.spec.fragment.refresh_interval.ToSeconds() or 300
@@ -188,6 +201,10 @@ def keep_freed_memory(trim_threshold: int = 256 << 20) -> bool:
     return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(
         libc.mallopt(m_trim_threshold, trim_threshold)
     )
+
+
+class StartupFailed(Exception):
+    """The broker could not start (a port in use, an unusable data dir or KeySpace)."""
 
 
 def serve(config: BrokerConfig) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from streamkit.broker.pace import DEFAULT_MIN_APPEND_RATE
-from streamkit.broker.server import DEFAULT_PORT, BrokerConfig, serve
+from streamkit.broker.server import DEFAULT_PORT, BrokerConfig, StartupFailed, serve
 from streamkit.cli.logs import configure_logging
 from streamkit.keyspace import KeySpaceError
 
@@ -51,7 +51,9 @@ def serve_cmd(data_dir: Path, port: int, http_port: int | None, host: str,
                           append_timeout=append_timeout, min_append_rate=min_append_rate)
     try:
         serve(config)
-    except (OSError, RuntimeError, KeySpaceError) as err:
+    except StartupFailed as err:
         # Startup problems (port taken, unwritable data dir, bad keyspace URL) are the
         # user's to fix: say what and where, without a traceback.
         raise click.ClickException(f"broker could not start: {err}") from None
+    except (OSError, RuntimeError, KeySpaceError) as err:
+        raise click.ClickException(f"broker stopped on an error: {err}") from None
