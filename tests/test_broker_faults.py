@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -281,5 +282,50 @@ def test_a_client_vanishing_mid_put_is_rolled_back_quietly(tmp_path: Path) -> No
         assert wire.append(journals, "gone/put", b"whole").commit.begin == 0
         assert wire.read(journals, "gone/put")[0] == b"whole"
         assert "Traceback" not in broker.log() and "ERROR" not in broker.log(), broker.log()
+    finally:
+        broker.kill()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 12 MiB tmpfs (skipped where the test may not mount one)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_device_out_of_space_fails_appends_until_space_returns(small_disk: Path) -> None:
+    filler = small_disk / "filler"
+    filler.write_bytes(b"\0" * (5 * MIB))  # someone else's file, taking half the disk
+    broker = BrokerProcess(small_disk / "broker").start()
+    try:
+        journals = wire.stub(broker.address)
+        wire.create(journals, wire.spec("enospc/j", length=512 * MIB))
+        acked = []
+        for i in range(12):
+            code, text = put(broker, "enospc/j", body(i))
+            if code != 204:
+                break
+            acked.append(body(i))
+        assert code == 507 and "No space left on device" in text, (code, text)
+        assert 3 <= len(acked) < 12
+        content, _ = wire.read(journals, "enospc/j")
+        assert content == b"".join(acked)
+        filler.unlink()  # space returns: the same journal appends at the same offset
+        again = wire.append(journals, "enospc/j", b"after")
+        assert again.commit.begin == len(acked) * MIB
+        acked.append(b"after")
+    finally:
+        broker.kill()
+    broker.start()
+    try:
+        assert wire.read(wire.stub(broker.address), "enospc/j")[0] == b"".join(acked)
     finally:
         broker.kill()
