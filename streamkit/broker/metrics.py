@@ -15,7 +15,9 @@ FRAGMENTS_PERSISTED = Counter(
 BYTES_PERSISTED = Counter(
     "streamkit_broker_persisted_bytes_total", "Uncompressed bytes persisted to stores"
 )
-PERSIST_ERRORS = Counter("streamkit_broker_persist_errors_total", "Failed persist attempts")
+PERSIST_FAILURES = Counter(
+    "streamkit_broker_persist_failures_total", "Failed attempts to persist a fragment", ["journal"]
+)
 RPC_ERRORS = Counter(
     "streamkit_broker_rpc_errors_total", "RPCs failed with a gRPC error", ["method", "code"]
 )

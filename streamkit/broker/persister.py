@@ -2,15 +2,18 @@
 
 Puts are content-addressed and idempotent, so a spool persisted twice (say,
 after a crash between the upload and the local delete) costs only time.
-Failures are retried with backoff; the spool stays local and readable meanwhile.
+Failures are retried with backoff per journal, so one unreachable store never
+holds up the others' persisting; the spool stays local and readable meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import os
+import random
 import tempfile
 import time
 import uuid
@@ -25,6 +28,9 @@ from streamkit.protocol.codecs import new_compressor
 log = logging.getLogger(__name__)
 
 _CHUNK = 1 << 20
+FIRST_RETRY, MAX_RETRY = 1.0, 300.0  # seconds, doubling in between
+
+_Item = tuple[Replica, Spool]
 
 
 def compress_spool(spool: Spool, out_dir: Path) -> Path:
@@ -47,17 +53,40 @@ def compress_spool(spool: Spool, out_dir: Path) -> Path:
     return Path(name)
 
 
+class _Backoff:
+    """A journal whose persisting fails: its spools wait while one at a time probes the store."""
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.parked: list[_Item] = []  # by offset: the oldest spool probes first
+        self.probe: _Item | None = None  # the spool let through to try again
+        self.timer: asyncio.TimerHandle | None = None
+
+    def park(self, item: _Item) -> None:
+        bisect.insort(self.parked, item, key=lambda parked: parked[1].begin)
+
+    def delay(self) -> float:
+        """Exponential, jittered so journals failing together don't retry in lockstep."""
+        base = min(FIRST_RETRY * 2 ** min(self.failures - 1, 20), MAX_RETRY)
+        return base * random.uniform(0.8, 1.2)
+
+
 class Persister:
-    """A queue of rolled spools and the workers that persist them."""
+    """A queue of rolled spools and the workers that persist them.
+
+    A failed spool doesn't keep its worker: it is parked with its journal's
+    backoff, and the workers go on with other journals' spools.
+    """
 
     def __init__(self, scratch_dir: Path, workers: int = 2) -> None:
         self.scratch_dir = scratch_dir
-        self._queue: asyncio.Queue[tuple[Replica, Spool]] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._workers = workers
         self._tasks: list[asyncio.Task[None]] = []
-        self._pending = 0
+        self._pending = 0  # queued, being persisted, or parked
         self._idle = asyncio.Event()
         self._idle.set()
+        self._failing: dict[str, _Backoff] = {}  # by journal name
 
     def start(self) -> None:
         self.scratch_dir.mkdir(parents=True, exist_ok=True)
@@ -85,6 +114,10 @@ class Persister:
             return False
 
     async def stop(self) -> None:
+        """Parked spools stay on disk; the next start recovers and persists them."""
+        for backoff in self._failing.values():
+            if backoff.timer is not None:
+                backoff.timer.cancel()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -93,21 +126,76 @@ class Persister:
 
     async def _work(self) -> None:
         while True:
-            replica, spool = await self._queue.get()
-            delay = 0.5
-            while not replica.deleted and not spool.closed:
+            item = await self._queue.get()
+            replica, spool = item
+            backoff = self._failing.get(replica.name)
+            if replica.deleted or spool.closed or not replica.stores:
+                self._finish(item, persisted=False)  # gone, or stays local
+            elif backoff is not None and backoff.probe is not item:
+                backoff.park(item)  # waits for the probe's verdict
+            else:
+                store_url = replica.stores[0].url  # the spec may change during the attempt
                 try:
                     await self._persist(replica, spool)
-                    break
                 except Exception as err:
-                    metrics.PERSIST_ERRORS.inc()
-                    log.warning("persisting %s failed (retry in %.1fs): %s",
-                                spool.fragment().journal, delay, err)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 30.0)
-            self._pending -= 1
-            if self._pending == 0:
-                self._idle.set()
+                    self._failed(item, store_url, err)
+                else:
+                    self._finish(item, persisted=True)
+
+    def _failed(self, item: _Item, store_url: str, err: Exception) -> None:
+        """Park the spool; a failed probe (or first failure) schedules the next probe."""
+        replica, _ = item
+        metrics.PERSIST_FAILURES.labels(journal=replica.name).inc()
+        backoff = self._failing.get(replica.name)
+        if backoff is None:
+            backoff = self._failing[replica.name] = _Backoff()
+            log.warning(
+                "persisting journal %s to %s failed; its spools stay local and are retried "
+                "with backoff (up to %.0fs), other journals go on: %s",
+                replica.name, store_url, MAX_RETRY, err,
+            )
+        elif backoff.probe is not item:
+            # Another spool of the journal was already in flight when it started failing.
+            backoff.park(item)
+            return
+        else:
+            log.debug("persisting journal %s failed again: %s", replica.name, err)
+        backoff.failures += 1
+        backoff.probe = None
+        backoff.park(item)
+        backoff.timer = asyncio.get_running_loop().call_later(
+            backoff.delay(), self._release, replica.name
+        )
+
+    def _release(self, journal: str) -> None:
+        """Let the journal's oldest parked spool through to probe its store."""
+        backoff = self._failing.get(journal)
+        if backoff is None:
+            return
+        backoff.timer = None
+        if backoff.parked:
+            backoff.probe = backoff.parked.pop(0)
+            self._queue.put_nowait(backoff.probe)
+        else:
+            del self._failing[journal]
+
+    def _finish(self, item: _Item, persisted: bool) -> None:
+        """Account for a spool leaving the persister; a good probe frees its journal's spools."""
+        self._pending -= 1
+        if self._pending == 0:
+            self._idle.set()
+        journal = item[0].name
+        backoff = self._failing.get(journal)
+        if backoff is None or backoff.probe is not item:
+            return
+        if not persisted:
+            self._release(journal)  # the probe was dropped: the next spool probes at once
+            return
+        del self._failing[journal]
+        log.info("persisting journal %s works again, after %d failed attempts",
+                 journal, backoff.failures)
+        for parked in backoff.parked:
+            self._queue.put_nowait(parked)
 
     async def _persist(self, replica: Replica, spool: Spool) -> None:
         store = replica.stores[0]

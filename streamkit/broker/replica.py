@@ -207,14 +207,12 @@ class Replica:
     async def _list_stores(self) -> list[pb.Fragment] | None:
         """The union of the stores' listings, or None if any store failed."""
         listed: list[pb.Fragment] = []
-        postfixed = bool(self.spec.fragment.path_postfix_template)
+        template = self.spec.fragment.path_postfix_template
         for store in self.stores:
             try:
-                # Without a postfix template, subdirectories belong to other journals
-                # (a/b's store directory also holds a/b/c's).
-                listed.extend(
-                    f for f in await store.list(self.name) if postfixed or not f.path_postfix
-                )
+                # The store keeps only paths the template can produce: a/b's folder
+                # also holds a/b/c's.
+                listed.extend(await store.list(self.name, template))
             except Exception as err:  # a store outage must not take the journal down
                 log.warning("listing %s for journal %s failed: %s", store.url, self.name, err)
                 return None

@@ -20,6 +20,8 @@ from urllib.parse import SplitResult, parse_qsl
 from streamkit.protocol import pb
 from streamkit.protocol.fragments import FragmentNameError, parse_content_path
 
+from .postfix import postfix_matcher
+
 __all__ = ["CONTENT_TYPES", "FragmentStore", "StoreError", "store_args", "translate_errors"]
 
 log = logging.getLogger(__name__)
@@ -52,8 +54,15 @@ class FragmentStore(ABC):
         self.url = url
 
     @abstractmethod
-    async def list(self, journal: str) -> list[pb.Fragment]:
-        """Every fragment of `journal` in the store, ordered by (begin, end)."""
+    async def list(self, journal: str, postfix_template: str | None = None) -> list[pb.Fragment]:
+        """Every fragment of `journal` in the store, ordered by (begin, end).
+
+        `postfix_template` is the journal's `path_postfix_template`: files in
+        subfolders count only if the template can produce that subfolder path,
+        since the journal's folder also holds the folders of journals nested
+        below it. None (a caller that doesn't know the spec) takes every
+        subfolder, as Gazette's listings do.
+        """
 
     @abstractmethod
     async def exists(self, f: pb.Fragment) -> bool:
@@ -79,14 +88,23 @@ class FragmentStore(ABC):
     async def remove(self, f: pb.Fragment) -> None:
         """Delete `f` from the store; a no-op if it is already gone."""
 
-    def _collect(self, journal: str, entries: Iterable[tuple[str, int]]) -> list[pb.Fragment]:
+    def _collect(
+        self, journal: str, entries: Iterable[tuple[str, int]], postfix_template: str | None
+    ) -> list[pb.Fragment]:
         """Fragments from (path relative to the journal's folder, mod time) pairs.
 
         Files whose names don't parse are skipped with a warning, as Gazette does,
-        so stray files can't break the fragment index.
+        so stray files can't break the fragment index. Files in subfolders the
+        template can't produce belong to other journals (or to none): skipped quietly.
         """
+        fits = postfix_matcher(postfix_template) if postfix_template is not None else None
         fragments = []
         for relative, mod_time in entries:
+            postfix = relative.rpartition("/")[0]
+            if postfix and fits is not None and not fits(postfix):
+                log.debug("listing %s in %s: %s is not one of its files", journal, self.url,
+                          relative)
+                continue
             try:
                 f = parse_content_path(journal, relative)
             except FragmentNameError as e:

@@ -92,23 +92,27 @@ class FileStore(FragmentStore):
     def _path(self, f: pb.Fragment) -> Path:
         return self.root.joinpath(*_clean_parts(content_path(f), "fragment path"))
 
-    async def list(self, journal: str) -> list[pb.Fragment]:
-        return await asyncio.to_thread(self._list, journal)
+    async def list(self, journal: str, postfix_template: str | None = None) -> list[pb.Fragment]:
+        return await asyncio.to_thread(self._list, journal, postfix_template)
 
-    def _list(self, journal: str) -> list[pb.Fragment]:
+    def _list(self, journal: str, postfix_template: str | None) -> list[pb.Fragment]:
         folder = self.root.joinpath(*_clean_parts(journal, "journal name"))
+        # Without a template, subfolders are other journals': don't walk them.
+        entries = self._walk(folder, recursive=postfix_template != "")
         with translate_errors(self, f"listing {journal}", (OSError,)):
-            return self._collect(journal, self._walk(folder))
+            return self._collect(journal, entries, postfix_template)
 
     @staticmethod
-    def _walk(folder: Path) -> Iterator[tuple[str, int]]:
-        """(path relative to `folder`, mod time) of every file below it."""
+    def _walk(folder: Path, recursive: bool) -> Iterator[tuple[str, int]]:
+        """(path relative to `folder`, mod time) of every file in it (and below it)."""
 
         def fail(e: OSError) -> None:
             if not isinstance(e, FileNotFoundError):  # a missing folder is an empty listing
                 raise e
 
-        for directory, _, names in os.walk(folder, onerror=fail):
+        for directory, subfolders, names in os.walk(folder, onerror=fail):
+            if not recursive:
+                subfolders.clear()
             for name in names:
                 if name.startswith(TEMP_PREFIX):
                     continue

@@ -15,6 +15,7 @@ from typing import Any, BinaryIO, cast
 from urllib.parse import urlsplit
 
 import boto3
+from boto3.exceptions import S3UploadFailedError
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -25,7 +26,7 @@ from .base import CONTENT_TYPES, FragmentStore, StoreError, store_args, translat
 
 __all__ = ["S3Store"]
 
-_ERRORS = (BotoCoreError, ClientError)
+_ERRORS = (BotoCoreError, ClientError, S3UploadFailedError)  # the last from upload_file
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 # URL argument -> upload_file ExtraArgs key, for the options applied to new fragments.
 _UPLOAD_ARGS = {
@@ -75,20 +76,22 @@ class S3Store(FragmentStore):
         with translate_errors(self, action, _ERRORS):
             return await asyncio.to_thread(getattr(self._client, method), **kwargs)
 
-    async def list(self, journal: str) -> list[pb.Fragment]:
-        return await asyncio.to_thread(self._list, journal)
+    async def list(self, journal: str, postfix_template: str | None = None) -> list[pb.Fragment]:
+        return await asyncio.to_thread(self._list, journal, postfix_template)
 
-    def _list(self, journal: str) -> list[pb.Fragment]:
+    def _list(self, journal: str, postfix_template: str | None) -> list[pb.Fragment]:
         prefix = f"{self.prefix}{journal}/"
+        # Without a template, "subfolders" are other journals': don't list them.
+        delimiter = {"Delimiter": "/"} if postfix_template == "" else {}
         entries = []
         with translate_errors(self, f"listing {journal}", _ERRORS):
             pages = self._client.get_paginator("list_objects_v2")
-            for page in pages.paginate(Bucket=self.bucket, Prefix=prefix):
+            for page in pages.paginate(Bucket=self.bucket, Prefix=prefix, **delimiter):
                 for obj in page.get("Contents", ()):
                     if not obj["Key"].endswith("/"):  # skip "directory" marker objects
                         relative = obj["Key"][len(prefix) :]
                         entries.append((relative, int(obj["LastModified"].timestamp())))
-        return self._collect(journal, entries)
+        return self._collect(journal, entries, postfix_template)
 
     async def exists(self, f: pb.Fragment) -> bool:
         key = self._key(f)

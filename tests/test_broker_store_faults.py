@@ -1,0 +1,202 @@
+"""Stores that don't behave: nested journals' folders, and stores that refuse writes.
+
+A journal's store folder also holds the folders of journals nested below it,
+so its listing must keep only its own files (whatever the path postfix
+template). And a store that refuses every write must not stop the broker from
+persisting other journals, nor flood its log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import tempfile
+import urllib.request
+import uuid
+from pathlib import Path
+
+import boto3
+import pytest
+
+from streamkit.broker.stores import FragmentStore, open_store
+from streamkit.broker.stores.postfix import postfix_matcher
+from streamkit.protocol import pb
+from streamkit.protocol.fragments import sum_of
+from tests import wire
+from tests.brokerproc import BrokerProcess
+from tests.s3server import TEST_KEYS
+
+PARENT, CHILD = "pp/parent", "pp/parent/child"
+TEMPLATE = 'date={{ .Spool.FirstAppendTime.Format "2006-01-02" }}'
+DAY = "date=2024-05-01"  # what TEMPLATE wrote on that day
+
+
+# --- helpers -----------------------------------------------------------------
+
+
+def _store_url(kind: str, request: pytest.FixtureRequest) -> str:
+    return "file:///" if kind == "file" else request.getfixturevalue("s3_url")
+
+
+def _plant(store: FragmentStore, journal: str, content: bytes, begin: int = 0,
+           postfix: str = "") -> pb.Fragment:
+    """Put an uncompressed fragment into `store` as another writer (say Gazette) would."""
+    fragment = pb.Fragment(
+        journal=journal, begin=begin, end=begin + len(content),
+        sum=sum_of(hashlib.sha1(content).digest()), compression_codec=pb.NONE,
+        path_postfix=postfix,
+    )
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "fragment"
+        path.write_bytes(content)
+        asyncio.run(store.put(fragment, path))
+    return fragment
+
+
+def _spans(fragments: list[pb.Fragment]) -> list[tuple[str, int, int, str]]:
+    return [(f.journal, f.begin, f.end, f.path_postfix) for f in fragments]
+
+
+def _metric(broker: BrokerProcess, name: str, journal: str) -> float:
+    with urllib.request.urlopen(f"{broker.http_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    match = re.search(rf'^{name}{{journal="{re.escape(journal)}"}} (\S+)$', text, re.M)
+    return float(match[1]) if match else 0.0
+
+
+def _lines(broker: BrokerProcess, *words: str) -> list[str]:
+    return [line for line in broker.log().splitlines() if all(w in line for w in words)]
+
+
+# --- listings of nested journals ------------------------------------------------
+
+
+def test_postfix_matcher_takes_only_what_the_template_writes() -> None:
+    fits = postfix_matcher(TEMPLATE)
+    assert fits(DAY)
+    assert not fits("child")  # a nested journal's folder
+    assert not fits(f"child/{DAY}")
+    assert not fits(f"{DAY}/child")
+    assert not fits("date=yesterday")
+    hourly = postfix_matcher(
+        '{{ .Spool.FirstAppendTime.Format "2006/01/02" }}/h={{ .Spool.FirstAppendTime.Hour }}'
+    )
+    assert hourly("2024/05/01/h=7")
+    assert not hourly("child/05/01/h=7")
+    assert not postfix_matcher("")("anything")
+
+
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_store_lists_only_the_journals_own_files(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    store = open_store(_store_url(kind, request), tmp_path / "root")
+    planted = {
+        "parent": _plant(store, PARENT, b"p" * 10),
+        "parent/day": _plant(store, PARENT, b"q" * 10, 10, DAY),
+        "child": _plant(store, CHILD, b"c" * 30),
+        "child/day": _plant(store, CHILD, b"d" * 30, 30, DAY),
+    }
+
+    def listed(journal: str, template: str) -> list[tuple[str, int, int, str]]:
+        return _spans(asyncio.run(store.list(journal, template)))
+
+    def expect(*keys: str) -> list[tuple[str, int, int, str]]:
+        return _spans([planted[k] for k in keys])
+
+    assert listed(PARENT, TEMPLATE) == expect("parent", "parent/day")
+    assert listed(PARENT, "") == expect("parent")
+    assert listed(CHILD, TEMPLATE) == expect("child", "child/day")
+    assert listed(CHILD, "") == expect("child")
+
+
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_parent_journal_never_reads_its_childs_fragments(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    url = _store_url(kind, request)
+    broker = BrokerProcess(tmp_path / "broker").start()
+    try:
+        journals = wire.stub(broker.address)
+        store = open_store(url, broker.data_dir / "fragments")
+        # The child's fragments: one the broker persists (no postfix), one as Gazette writes.
+        wire.create(journals, wire.spec(CHILD, length=1024, codec=pb.NONE, stores=[url]))
+        assert wire.append(journals, CHILD, b"c" * 1500).status == pb.OK
+        wire.wait_until(lambda: any(f.backing_store for f in wire.fragments(journals, CHILD)))
+        _plant(store, CHILD, b"d" * 100, 5000, DAY)
+        # The parent's own fragment, written under its template's postfix.
+        parent = _plant(store, PARENT, b"parent's own bytes\n", 0, DAY)
+
+        spec = wire.spec(PARENT, length=1024, codec=pb.NONE, stores=[url])
+        spec.fragment.path_postfix_template = TEMPLATE
+        wire.create(journals, spec)  # opening the journal lists the store
+        listed = [f for f in wire.fragments(journals, PARENT) if f.backing_store]
+        assert _spans(listed) == _spans([parent])
+        content, _ = wire.read(journals, PARENT, offset=0, end=parent.end)
+        assert content == b"parent's own bytes\n"
+    finally:
+        broker.kill()
+
+
+# --- a store that refuses writes --------------------------------------------------
+
+
+def _failing_store(kind: str, request: pytest.FixtureRequest, fragment_root: Path) -> str:
+    """A store URL whose writes fail: a missing bucket, or a root that is a regular file."""
+    if kind == "file":
+        fragment_root.mkdir(parents=True, exist_ok=True)
+        (fragment_root / "blocked").write_text("a file where the store's folder should be")
+        return "file:///blocked/"
+    endpoint = request.getfixturevalue("s3_endpoint")
+    request.getfixturevalue("aws_env")
+    return f"s3://missing-{uuid.uuid4().hex[:12]}/?endpoint={endpoint}&region=us-east-1"
+
+
+def _heal(kind: str, url: str, fragment_root: Path) -> None:
+    if kind == "file":
+        (fragment_root / "blocked").unlink()
+        return
+    endpoint = url.split("endpoint=")[1].split("&")[0]
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **TEST_KEYS)
+    client.create_bucket(Bucket=url.removeprefix("s3://").split("/")[0])
+
+
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_a_failing_store_does_not_hold_up_other_journals(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    fragment_root = tmp_path / "broker" / "fragments"
+    bad_url = _failing_store(kind, request, fragment_root)
+    broker = BrokerProcess(tmp_path / "broker").start()
+    bad, good = "faults/bad", "faults/good"
+    failures = "streamkit_broker_persist_failures_total"
+
+    def persisted(journal: str) -> int:
+        return sum(bool(f.backing_store) for f in wire.fragments(journals, journal))
+
+    try:
+        journals = wire.stub(broker.address)
+        wire.create(journals, wire.spec(bad, length=1024, codec=pb.NONE, stores=[bad_url]),
+                    wire.spec(good, length=1024, codec=pb.NONE))
+        # Rolled first, and more spools than the persister has workers.
+        for _ in range(4):
+            assert wire.append(journals, bad, b"b" * 1500).status == pb.OK
+        for _ in range(3):
+            assert wire.append(journals, good, b"g" * 1500).status == pb.OK
+        wire.wait_until(lambda: persisted(good) == 3, timeout=10)
+
+        # The bad journal goes on failing, with backoff, and says so once.
+        wire.wait_until(lambda: _metric(broker, failures, bad) >= 4, timeout=20)
+        assert persisted(bad) == 0
+        assert len(_lines(broker, "WARNING", f"persisting journal {bad}")) == 1
+        assert _metric(broker, failures, good) == 0
+
+        # Once the store works again, the parked spools follow, with one INFO line.
+        _heal(kind, bad_url, fragment_root)
+        wire.wait_until(lambda: persisted(bad) == 4, timeout=20)
+        assert len(_lines(broker, "INFO", f"persisting journal {bad} works again")) == 1
+        content, _ = wire.read(journals, bad, offset=0, end=6000)
+        assert content == b"b" * 6000
+    finally:
+        broker.kill()
