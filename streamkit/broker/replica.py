@@ -51,6 +51,7 @@ class Replica:
         # Fragments persisted while a store listing is in flight: the listing may
         # predate them, so they are kept when it lands.
         self._persisted_meanwhile: list[pb.Fragment] | None = None
+        self._listing_failed = False
 
     # --- lifecycle -------------------------------------------------------
 
@@ -214,6 +215,12 @@ class Replica:
                 # also holds a/b/c's.
                 listed.extend(await store.list(self.name, template))
             except Exception as err:  # a store outage must not take the journal down
-                log.warning("listing %s for journal %s failed: %s", store.url, self.name, err)
+                if not self._listing_failed:  # once per outage, not at every refresh
+                    log.warning("listing %s for journal %s failed (retried at each refresh): "
+                                "%s", store.url, self.name, err)
+                self._listing_failed = True
                 return None
+        if self._listing_failed:
+            log.info("listing the stores of journal %s works again", self.name)
+            self._listing_failed = False
         return listed
