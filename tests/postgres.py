@@ -115,6 +115,8 @@ def postgres_url() -> Iterator[str]:
     """The SQLAlchemy URL of a real PostgreSQL 15 server shared by the test session."""
     reason = unavailable_reason()
     if reason is not None:
-        pytest.skip(reason)
+        from tests.conftest import unavailable
+
+        unavailable(reason)
     with PostgresServer() as server:
         yield server.url

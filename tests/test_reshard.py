@@ -28,10 +28,14 @@ from streamkit.client import append_bytes, get_journal
 from streamkit.client.errors import BrokerError
 from streamkit.protocol import pb
 from tests.brokerproc import BrokerProcess
+from tests.conftest import unavailable
 from tests.test_backfill import Setup, process_live, publish, rocksdb_state
 from tests.test_wordcount import generate_lines
 
-pytest.importorskip("pyspark")
+try:
+    import pyspark  # noqa: F401
+except ImportError:
+    unavailable("pyspark is not installed")
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDCOUNT = ROOT / "examples" / "wordcount"
