@@ -54,7 +54,7 @@ class PostgresServer:
 
     @property
     def url(self) -> str:
-        return f"postgresql+psycopg2://postgres@127.0.0.1:{self.port}/{DATABASE}"
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{DATABASE}"  # as documented
 
     @property
     def data_dir(self) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import signal
 import sys
 import time
@@ -274,6 +275,34 @@ async def test_destroy_abandons_a_commit_still_waiting_on_dependencies(
     await store.destroy()
     assert op.done() and op.exception() is not None
     assert read_committed(db_url, shard, table).rows == []
+
+
+# --- a URL whose database driver is not installed ----------------------------------
+
+MISSING_DRIVER = (
+    "postgresql+pg8000://app:***@db.example/app: SQLAlchemy needs the Python package "
+    "'pg8000' for it: pip install pg8000"
+)
+
+
+@pytest.fixture
+def without_pg8000(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A URL whose driver cannot be imported, whether or not pg8000 is installed here."""
+    monkeypatch.setitem(sys.modules, "pg8000", None)  # `import pg8000` now fails
+    return "postgresql+pg8000://app:secret@db.example/app"
+
+
+def test_missing_driver_is_one_line_naming_the_package(without_pg8000: str) -> None:
+    with pytest.raises(StoreError) as caught:
+        SQLStore(without_pg8000, "test/shard")
+    assert str(caught.value) == f"store.url {MISSING_DRIVER}"
+
+
+def test_missing_driver_fails_loading_the_config(without_pg8000: str) -> None:
+    from streamkit.app.config import StoreConfig
+
+    with pytest.raises(ValueError, match=re.escape(MISSING_DRIVER)):
+        StoreConfig.model_validate({"kind": "sql", "url": without_pg8000})
 
 
 # --- crashes: a writer process killed with SIGKILL ------------------------------

@@ -11,11 +11,10 @@ checkpoint says. A primary without a standby phase does all of it at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from streamkit.recoverylog.fsm import FSMError, RecoveryLogError
 from streamkit.recoverylog.recorded_fs import RecordedFS
 from streamkit.recoverylog.recovery import Playback
 from streamkit.stores.store import FencedError, Store
+from streamkit.tasks import cancel_and_wait, wait_finished
 
 __all__ = ["Replica", "Runtime"]
 
@@ -138,8 +138,7 @@ class Replica:
                 log.warning("shard %s: not stopped within %.0fs; abandoning its uncommitted "
                             "transaction", self.id, timeout)
                 task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+            await wait_finished(task, f"shard {self.id}")
         try:
             await asyncio.wait_for(self._release(), timeout)
         except TimeoutError:
@@ -148,8 +147,7 @@ class Replica:
     async def wait(self) -> None:
         """Until the replica's task ended (a stopped or failed shard)."""
         if self._task is not None:
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(self._task)
+            await wait_finished(self._task, f"shard {self.id}")
 
     # --- queries ------------------------------------------------------------------
 
@@ -276,9 +274,8 @@ class Replica:
     async def _primary(self, standby: asyncio.Task[None] | None) -> None:
         shard, runtime = self.shard, self.runtime
         if standby is not None and not standby.done():
-            standby.cancel()  # it is at most waiting for the log's head; playback goes on
-            with contextlib.suppress(BaseException):
-                await standby
+            # It is at most waiting for the log's head; playback goes on.
+            await cancel_and_wait(standby, f"shard {self.id}'s standby")
         fs = None
         if shard.recovery_log:
             self._set_status(Code.BACKFILL)
@@ -346,12 +343,16 @@ class Replica:
             self._playback = None
         if self.store is not None:
             store, self.store = self.store, None
-            with contextlib.suppress(Exception):
-                await store.destroy()
+            await self._closing("destroying its store", store.destroy())
         if self._fs is not None:
             fs, self._fs = self._fs, None
-            with contextlib.suppress(Exception):
-                await fs.recorder.close()
-        with contextlib.suppress(Exception):
-            await self.shard.appends.close(flush=False)
+            await self._closing("closing its recorder", fs.recorder.close())
+        await self._closing("closing its appends", self.shard.appends.close(flush=False))
         shutil.rmtree(self.shard.work_dir, ignore_errors=True)
+
+    async def _closing(self, what: str, step: Awaitable[object]) -> None:
+        """Await one step of releasing; a failure is logged, so that the others still run."""
+        try:
+            await step
+        except Exception as error:
+            log.warning("shard %s: %s failed: %s: %s", self.id, what, type(error).__name__, error)

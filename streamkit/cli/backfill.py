@@ -37,6 +37,7 @@ from streamkit.client import BrokerClient
 from streamkit.keyspace import open_keyspace
 from streamkit.keyspace.keyspace import KeySpace
 from streamkit.protocol import consumer_pb
+from streamkit.tasks import wait_finished
 
 __all__ = ["backfill"]
 
@@ -210,8 +211,8 @@ async def backfill(app_dir: Path, use_spark: bool, plan_only: bool, as_json: boo
                     _echo_plan(plan.summary())
                 return
             assert spark is not None
-            sc, spark_seconds = await spark  # Java and PySpark work: now change things
-            spark = None
+            starting, spark = spark, None  # awaited here: not for the `finally` to do again
+            sc, spark_seconds = await starting  # Java and PySpark work: now change things
             if resharded is not None:  # new partitions, recovery logs and shard specs
                 retired = await apply_layout(config, client, ks, resharded)
             else:
@@ -244,9 +245,10 @@ async def backfill(app_dir: Path, use_spark: bool, plan_only: bool, as_json: boo
         raise CliError(str(error)) from None
     finally:
         if spark is not None:  # started, but planning failed: stop it again
-            with contextlib.suppress(BaseException):
-                sc, _ = await spark
-                await asyncio.to_thread(_stop_spark, sc)
+            started_spark = await wait_finished(spark, "starting Spark")
+            if started_spark is not None:
+                stopping = asyncio.ensure_future(asyncio.to_thread(_stop_spark, started_spark[0]))
+                await wait_finished(stopping, "stopping Spark")
 
 
 def _resharding(config: AppConfig, layout: Layout | None, shards: int | None) -> bool:

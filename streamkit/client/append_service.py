@@ -18,7 +18,6 @@ error), so nothing written after a failed append can commit out of order.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import tempfile
@@ -32,6 +31,7 @@ from streamkit.client.broker_client import BrokerClient
 from streamkit.client.closing import AsyncClosing
 from streamkit.client.errors import describe
 from streamkit.protocol import pb
+from streamkit.tasks import cancel_and_wait
 
 __all__ = ["AppendService", "AsyncAppend", "OpFuture", "ServiceClosed"]
 
@@ -205,8 +205,12 @@ class AsyncAppend:
         if exc is not None:
             self._error = None
             self.require(exc)
-            with contextlib.suppress(BaseException):
-                self.release()  # rolls back; the original exception propagates
+            try:
+                self.release()  # rolls back and raises `exc` again, which propagates anyway
+            except BaseException as error:
+                if error is not exc:  # "not held", say: a bug, logged as `exc` propagates
+                    log.warning("append to %s: dropped %r, raised while rolling back after %r",
+                                self.journal, error, exc)
             return
         self.release()
 
@@ -376,9 +380,7 @@ class AppendService(AsyncClosing):
             await self.flush()
         for queue in self._queues.values():
             if queue.task is not None:
-                queue.task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await queue.task
+                await cancel_and_wait(queue.task, f"appending to {queue.journal}")
             self._fail_queue(queue, ServiceClosed("the AppendService was closed"), log_it=False)
         for file in self._spare_files:
             file.close()

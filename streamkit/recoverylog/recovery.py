@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from pathlib import Path
 
 from streamkit.client import BrokerClient
@@ -12,6 +11,7 @@ from streamkit.recoverylog.fsm import new_random_author
 from streamkit.recoverylog.player import Player
 from streamkit.recoverylog.recorded_fs import RecordedFS
 from streamkit.recoverylog.recorder import Recorder
+from streamkit.tasks import cancel_and_wait
 
 __all__ = ["Playback", "recover"]
 
@@ -71,9 +71,7 @@ class Playback:
 
     async def cancel(self) -> None:
         """Stop playing (a standby that was released)."""
-        self._task.cancel()
-        with contextlib.suppress(BaseException):
-            await self._task
+        await cancel_and_wait(self._task, f"playback of {self.log}")
 
 
 async def recover(

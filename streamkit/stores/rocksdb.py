@@ -37,6 +37,7 @@ from streamkit.protocol import consumer_pb, pb
 from streamkit.recoverylog.recorded_fs import RecordedFS
 from streamkit.stores.dir_observer import DirObserver, Observation
 from streamkit.stores.store import Store, StoreError
+from streamkit.tasks import wait_finished
 
 __all__ = ["CHECKPOINT_KEY", "RESERVED_PREFIX", "RocksDBStore", "WriteBatch", "default_options"]
 
@@ -235,8 +236,7 @@ class RocksDBStore(Store):
         if task is not None and not task.done():
             if self._waiting_on_dependencies:  # nothing written yet: drop the transaction
                 task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+            await wait_finished(task, f"the commit of the store at {self.path}")
         op = self._commit_op
         if op is not None and not op.done():  # cancelled before its body ever ran
             op.fail(StoreError(f"store at {self.path} destroyed before the commit started"))

@@ -28,18 +28,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import shlex
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, NoSuchModuleError
 
 from streamkit.client.append_service import OpFuture
 from streamkit.protocol import consumer_pb, pb
 from streamkit.stores.store import FencedError, Store, StoreError
+from streamkit.tasks import wait_finished
 
-__all__ = ["CHECKPOINTS", "SQLStore"]
+__all__ = ["CHECKPOINTS", "SQLStore", "driver_problem"]
 
 T = TypeVar("T")
 
@@ -56,6 +58,42 @@ CHECKPOINTS = sa.Table(
 
 _RESTORE_ATTEMPTS = 5  # a racing first restore of a new shard can lose its INSERT
 
+# Drivers whose pip package is not named like the module SQLAlchemy imports.
+_DRIVER_PACKAGES = {
+    "psycopg": "psycopg[binary]",
+    "psycopg2": "psycopg2-binary",
+    "MySQLdb": "mysqlclient",
+    "mysql": "mysql-connector-python",
+}
+
+
+def driver_problem(url: str | sa.URL) -> str | None:
+    """Why `url`'s database driver cannot be loaded here, in one line; None if it can.
+
+    SQLAlchemy only raises a bare ModuleNotFoundError from inside create_engine,
+    which names neither the URL that wanted the module nor the package to install.
+    """
+    parsed = sa.make_url(url)
+    shown = parsed.render_as_string(hide_password=True)
+    try:
+        parsed.get_dialect().import_dbapi()
+    except NoSuchModuleError:
+        return f"{shown}: SQLAlchemy has no database dialect {parsed.drivername!r}"
+    except ImportError as error:
+        missing = error.name if isinstance(error, ModuleNotFoundError) else None
+        if not missing:  # installed, but broken (a missing system library, say)
+            return f"{shown}: its database driver failed to import: {error}"
+        package = _DRIVER_PACKAGES.get(missing.partition(".")[0], missing)
+        return (f"{shown}: SQLAlchemy needs the Python package {package!r} for it: "
+                f"pip install {shlex.quote(package)}")
+    return None
+
+
+def _create_engine(url: str) -> sa.Engine:
+    """An engine for `url`, failing with one line that says what to install if need be."""
+    if (problem := driver_problem(url)) is not None:
+        raise StoreError(f"store.url {problem}")
+    return sa.create_engine(url)
 
 
 class SQLStore(Store):
@@ -69,7 +107,7 @@ class SQLStore(Store):
 
     def __init__(self, engine: sa.Engine | str, shard_fqn: str) -> None:
         self._owns_engine = isinstance(engine, str)
-        self._engine = sa.create_engine(engine) if isinstance(engine, str) else engine
+        self._engine = _create_engine(engine) if isinstance(engine, str) else engine
         self.shard_fqn = shard_fqn
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlstore")
         self._conn: sa.Connection | None = None
@@ -152,8 +190,7 @@ class SQLStore(Store):
             # Already in the database: let it finish rather than guess its outcome.
             if self._waiting_on_dependencies:
                 task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+            await wait_finished(task, f"the commit of shard {self.shard_fqn}'s store")
         if op is not None and not op.done():  # cancelled before it even started
             op.fail(StoreError(f"store of shard {self.shard_fqn} destroyed before the commit"))
         try:

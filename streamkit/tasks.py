@@ -1,0 +1,54 @@
+"""Waiting for a task to finish without mistaking its outcome for the caller's.
+
+`with suppress(BaseException): await task` after `task.cancel()` also swallows
+the cancellation of the *caller*, which then runs on as if nobody had asked
+it to stop, and it hides whatever error the task ended with. The helpers here
+wait with `asyncio.wait`, which never raises the task's outcome: a
+CancelledError out of it is always the caller's own and propagates, while the
+task's own cancellation is expected and absorbed, and any other error it
+ended with is logged (WARNING) as dropped, never raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, TypeVar
+
+__all__ = ["cancel_and_wait", "wait_finished"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def wait_finished(task: asyncio.Future[T], what: str) -> T | None:
+    """Until `task` finished; its result, or None if it was cancelled or failed.
+
+    A failure is logged at WARNING as `what` having been dropped (a failure
+    that matters should be raised or reported where it happens). If the caller
+    is cancelled meanwhile, CancelledError propagates and `task` is left to
+    finish on its own; a caller already being cancelled (cleaning up in a
+    `finally`) waits as usual. Unlike checking `current_task().cancelling()`
+    after `await task`, this cannot mistake the two cancellations for each
+    other, nor cancel the task because the caller was.
+    """
+    if not task.done():
+        await asyncio.wait((task,))
+    if task.cancelled():
+        return None
+    error = task.exception()
+    if error is not None:
+        log.warning("dropped the error of %s: %s", what, _describe(error), exc_info=error)
+        return None
+    return task.result()
+
+
+async def cancel_and_wait(task: asyncio.Future[Any], what: str) -> None:
+    """Cancel `task` and wait until it finished, as `wait_finished` does."""
+    task.cancel()
+    await wait_finished(task, what)
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else repr(error)
