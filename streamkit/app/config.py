@@ -77,9 +77,15 @@ from streamkit.recoverylog.fsm import CONTENT_TYPE as RECOVERY_LOG_CONTENT_TYPE
 __all__ = [
     "APP_LABEL",
     "CONFIG_FILE",
+    "DEAD_LETTER",
+    "DEAD_LETTERS_LABEL",
     "DEFAULT_STORE",
     "EVERY_SHARD",
+    "FAIL",
+    "ON_CONSUME_ERROR_LABEL",
+    "ON_UNDECODABLE_LABEL",
     "PARTITION_PER_SHARD",
+    "SKIP",
     "STORE_KINDS",
     "TOPIC_LABEL",
     "AppConfig",
@@ -238,13 +244,27 @@ PARTITION_PER_SHARD = "partition-per-shard"  # shard i reads partition i
 EVERY_SHARD = "every-shard"  # every shard reads every partition (a broadcast)
 READ_MODES = (PARTITION_PER_SHARD, EVERY_SHARD)
 
+# What a shard does with a source message it can't decode, or whose consume_message raises.
+FAIL = "fail"  # the shard fails, naming the message (the default, as in Gazette)
+SKIP = "skip"  # the transaction passes over it, with a warning and a metric
+DEAD_LETTER = "dead-letter"  # ... and appends it to the app's dead-letter journal
+Policy = Literal["fail", "skip", "dead-letter"]
+# Shard spec labels carrying the sources' policies other than fail, as values
+# "<topic>:<policy>", and the journal dead letters go to: `streamkit run` writes
+# them from streamkit.yaml, the shard's transaction loop reads them.
+ON_UNDECODABLE_LABEL = "app.streamkit.dev/on-undecodable"
+ON_CONSUME_ERROR_LABEL = "app.streamkit.dev/on-consume-error"
+DEAD_LETTERS_LABEL = "app.streamkit.dev/dead-letters"
+
 
 class TopicConfig(_Model):
     """A topic the app reads (a source) or publishes to (an output).
 
     `partitions` null (left out) means one per shard: AppConfig fills the
     app's shard count in before validating, so a topic of an AppConfig
-    always has its count.
+    always has its count. `read`, `on_undecodable` and `on_consume_error`
+    matter for sources only: a poison message fails its shard unless the
+    source says to skip it or dead-letter it (see AppConfig.dead_letter_journal).
     """
 
     topic: str
@@ -252,6 +272,8 @@ class TopicConfig(_Model):
     content_type: str = "application/x-ndjson"
     key: str | None = None
     read: Literal["partition-per-shard", "every-shard"] = PARTITION_PER_SHARD
+    on_undecodable: Policy = FAIL
+    on_consume_error: Policy = FAIL
 
     @field_validator("topic")
     @classmethod
@@ -328,6 +350,10 @@ class StoreConfig(_Model):
             make_url(url)
         except ArgumentError as err:
             raise ValueError(f"not a SQLAlchemy database URL ({err})") from None
+        from streamkit.stores.sql import driver_problem  # a missing driver fails here, once
+
+        if (problem := driver_problem(url)) is not None:
+            raise ValueError(problem)
         return url
 
     @model_validator(mode="after")
@@ -621,13 +647,53 @@ class AppConfig(_Model):
         prefix = self.recovery_log_prefix
         return f"{prefix}/{shard_id}" if prefix else ""
 
+    @property
+    def dead_letter_journal(self) -> str:
+        """Where shards append the source messages a `dead-letter` policy passes over.
+
+        One journal for the app, `<name>/dead-letters` (never a topic's partition,
+        which ends in `/part-NNN`); it exists only if some source dead-letters.
+        """
+        return f"{self.name}/dead-letters"
+
+    def dead_letters(self) -> bool:
+        """Whether a source's policy dead-letters (so the dead-letter journal is needed)."""
+        return any(DEAD_LETTER in (s.on_undecodable, s.on_consume_error) for s in self.sources)
+
+    def _policy_labels(self) -> list[tuple[str, str]]:
+        """Shard spec labels saying which sources skip or dead-letter, and where to."""
+        labels = [
+            (label, f"{source.topic}:{policy}")
+            for source in self.sources
+            for label, policy in (
+                (ON_UNDECODABLE_LABEL, source.on_undecodable),
+                (ON_CONSUME_ERROR_LABEL, source.on_consume_error),
+            )
+            if policy != FAIL
+        ]
+        if self.dead_letters():
+            labels.append((DEAD_LETTERS_LABEL, self.dead_letter_journal))
+        return labels
+
     # --- specs --------------------------------------------------------------------
 
     def journal_specs(self) -> list[JournalSpec]:
-        """Every journal the app needs: topic partitions, then the shards' recovery logs."""
+        """Every journal the app needs: topic partitions, its dead-letter journal if a
+        source dead-letters, then the shards' recovery logs."""
         specs = [
             topic.journal_spec(journal) for topic in self.topics() for journal in topic.journals()
         ]
+        if self.dead_letters():
+            specs.append(
+                JournalSpec(
+                    name=self.dead_letter_journal,
+                    labels=[
+                        Label(name="content-type", value="application/x-ndjson"),
+                        Label(name=DEAD_LETTERS_LABEL, value=self.name),
+                    ],
+                    fragment=_TOPIC_FRAGMENT,
+                )
+            )
         for shard_id in self.shard_ids():
             if log := self.recovery_log(shard_id):
                 specs.append(
@@ -655,7 +721,7 @@ class AppConfig(_Model):
                 hint_prefix=self.hint_prefix,
                 hint_backups=HINT_BACKUPS,
                 hot_standbys=self.standbys,
-                labels=label_set((APP_LABEL, self.name)),
+                labels=label_set((APP_LABEL, self.name), *self._policy_labels()),
             )
             spec.max_txn_duration.FromTimedelta(self.transactions.max_duration)
             spec.min_txn_duration.FromTimedelta(self.transactions.min_duration)

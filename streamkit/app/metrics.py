@@ -19,6 +19,14 @@ PHASES = Histogram(
     buckets=_PHASE_BUCKETS,
 )
 LAG = Gauge("streamkit_shard_lag_bytes", "Source bytes not yet processed", ["shard", "journal"])
+# Source messages a transaction passed over by its source's policy (streamkit.yaml's
+# on_undecodable, on_consume_error): cause "undecodable" or "consume-error", policy "skip" or
+# "dead-letter". Counted each time a transaction does, so again if that one is retried.
+SKIPPED = Counter(
+    "streamkit_shard_skipped_messages_total",
+    "Source messages skipped or dead-lettered by their source's policy",
+    ["shard", "journal", "cause", "policy"],
+)
 
 
 @dataclass(frozen=True, slots=True)

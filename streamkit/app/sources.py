@@ -5,6 +5,12 @@ queue, so reads and decoding overlap the transaction loop's consuming. The
 loop takes committed envelopes with `poll()` (no I/O, no await: the per
 message path) and awaits `fill()` only when nothing is buffered, or when the
 Sequencer needs an earlier range of a journal replayed.
+
+A frame of a source that doesn't decode is not dropped here: it comes out in
+order, as an envelope of a `BadFrame`, and the transaction loop fails, skips
+or dead-letters it as the source's policy says. Being in order and without a
+UUID, it commits like any message, so the checkpoint of the transaction that
+passed it is what moves the source's offset past it.
 """
 
 from __future__ import annotations
@@ -13,16 +19,19 @@ import asyncio
 import collections
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import ClassVar
+
+from pydantic import ConfigDict
 
 from streamkit.app.metrics import LAG
 from streamkit.app.producer import EnvelopeReader
 from streamkit.client import BrokerClient
-from streamkit.message.framing import FrameDecoder, Framing
-from streamkit.message.message import Envelope, MessageLike
+from streamkit.message.framing import DecoderBase, FrameDecoder, FrameError, Framing
+from streamkit.message.message import Envelope, Message, MessageLike
 from streamkit.message.reader import ReadUncommitted, journal_framing
 from streamkit.message.sequencer import QueueOutcome, Sequencer
 
-__all__ = ["SourceInput"]
+__all__ = ["BadFrame", "SourceInput"]
 
 _REPLAY = QueueOutcome.ACK_COMMIT_REPLAY
 
@@ -35,8 +44,8 @@ class SourceInput:
 
     `readers` replace the default ReadUncommitted of each journal of `offsets`
     (an application choosing its inputs); `replay` may supply the reader of a
-    range the Sequencer needs again. Default readers decode strictly; custom
-    ones are trusted to deal with bad frames themselves.
+    range the Sequencer needs again. Default readers pass bad frames on as
+    BadFrame envelopes; custom ones are trusted to deal with bad frames themselves.
     """
 
     def __init__(
@@ -77,7 +86,7 @@ class SourceInput:
             for journal, offset in sorted(offsets.items())
         ]
         self._tasks = [
-            asyncio.create_task(self._read(reader, strict=not custom),
+            asyncio.create_task(self._read(reader, pass_bad_frames=not custom),
                                 name=f"source:{reader.journal}")
             for reader in self._readers
         ]
@@ -163,12 +172,12 @@ class SourceInput:
             file_root=self._file_root,
         )
 
-    async def _read(self, reader: EnvelopeReader, *, strict: bool) -> None:
+    async def _read(self, reader: EnvelopeReader, *, pass_bad_frames: bool) -> None:
         lag = LAG.labels(self._shard_id, reader.journal)
         try:
-            if strict and isinstance(reader, ReadUncommitted):
+            if pass_bad_frames and isinstance(reader, ReadUncommitted):
                 framing = reader.framing or await journal_framing(self.client, reader.journal)
-                reader.framing = _Strict(framing)
+                reader.framing = _PassingBadFrames(framing)
             while True:
                 batch = await reader.read_batch()
                 head = getattr(reader, "write_head", None)
@@ -191,13 +200,28 @@ class SourceInput:
             self._ready.set()
 
 
-class _Strict:
-    """A framing whose decoders raise the first frame they could not decode.
+class BadFrame(Message):
+    """A frame of a source that could not be decoded, passed on for its policy to decide.
+
+    It has no UUID, so the Sequencer commits it at once and checkpoints its end
+    like any message's. `error` says where and why; when `error.skippable`, its
+    `frame` holds the frame's bytes.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    uses_uuid: ClassVar[bool] = False
+
+    error: FrameError
+
+
+class _PassingBadFrames:
+    """A framing whose decoders pass bad frames on, in order, as BadFrame envelopes.
 
     Readers in general log a bad frame and skip it; a shard must not: its
-    commits would silently leave the message out. It fails instead, with the
-    error naming the journal and the frame's offset (as Gazette's shards fail
-    on a message they can't unmarshal).
+    commits would silently leave the message out. The transaction loop gets
+    it instead and fails (the default, naming the journal and the frame's
+    offset, as Gazette's shards fail on a message they can't unmarshal),
+    skips it or dead-letters it, as the source's policy says.
     """
 
     def __init__(self, framing: Framing) -> None:
@@ -208,19 +232,37 @@ class _Strict:
         self.framing.encode(message, out)
 
     def new_decoder(self, journal: str, message_type: type) -> FrameDecoder:
-        return _StrictDecoder(self.framing.new_decoder(journal, message_type))
+        return _PassingDecoder(self.framing.new_decoder(journal, message_type))
 
 
-class _StrictDecoder:
+class _PassingDecoder:
     def __init__(self, decoder: FrameDecoder) -> None:
         self.decoder = decoder
         self.errors = decoder.errors
+        self._found: list[FrameError] = []
+        if isinstance(decoder, DecoderBase):
+            decoder.on_error = self._found.append  # misses none, however many a chunk holds
 
     def feed(self, chunk: bytes | memoryview, offset: int) -> list[Envelope]:
         batch = self.decoder.feed(chunk, offset)
-        if self.decoder.errors:
-            raise self.decoder.errors[0]
-        return batch
+        found = self._found
+        if not isinstance(self.decoder, DecoderBase):  # a framing registered by the user
+            found += self.errors
+            self.errors.clear()
+        if not found:
+            return batch
+        # A skippable frame spans [offset, end); another error marks where decoding broke.
+        bad = [
+            Envelope(e.journal, e.offset, e.offset if e.end is None else e.end,
+                     BadFrame.model_construct(error=e))
+            for e in found
+        ]
+        found.clear()
+        return sorted([*bad, *batch], key=_begin)
 
     def reset(self, offset: int) -> None:
         self.decoder.reset(offset)
+
+
+def _begin(env: Envelope) -> int:
+    return env.begin

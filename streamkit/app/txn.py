@@ -21,30 +21,60 @@ dependency, so in every journal they precede whatever the next transaction
 publishes, and they are written only once the checkpoint holding them is
 durable. After a crash the next primary appends them again from that
 checkpoint (`reappend_ack_intents`).
+
+A poison message -- a source frame that doesn't decode (a BadFrame), or one
+whose consume_message raises -- fails the transaction, unless its source's
+policy (streamkit.yaml, carried by the shard spec's labels) says to skip it or
+dead-letter it. Either way it is passed over within the transaction: the
+checkpoint that commits moves the source's offset past it, and a dead letter
+is published through the shard's publisher, so it commits (and is read
+committed) together with that checkpoint, exactly once. A message that
+consume_message raised on is passed over as a whole only if the application
+had not yet changed its state for it (see docs/concepts/messages.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
+
 from streamkit.app.application import Application
 from streamkit.app.checkpoints import build_checkpoint
-from streamkit.app.metrics import SHARD_METRICS
+from streamkit.app.config import (
+    DEAD_LETTER,
+    DEAD_LETTERS_LABEL,
+    FAIL,
+    ON_CONSUME_ERROR_LABEL,
+    ON_UNDECODABLE_LABEL,
+    SKIP,
+)
+from streamkit.app.metrics import SHARD_METRICS, SKIPPED
 from streamkit.app.publishing import ShardPublisher
 from streamkit.app.shard import Shard
-from streamkit.app.sources import SourceInput
+from streamkit.app.sources import BadFrame, SourceInput
 from streamkit.app.waits import first_of
 from streamkit.client.append_service import OpFuture
-from streamkit.message.message import Envelope
+from streamkit.message.framings.json_lines import CONTENT_TYPE as NDJSON
+from streamkit.message.framings.json_lines import JsonLinesFraming
+from streamkit.message.message import Envelope, MessageLike
 from streamkit.protocol import consumer_pb
 from streamkit.stores.store import Store
 
-__all__ = ["TransactionFailed", "TransactionLoop", "awaitable_hook", "reappend_ack_intents"]
+__all__ = [
+    "PoisonPolicies",
+    "TransactionFailed",
+    "TransactionLoop",
+    "UnskippableFrame",
+    "awaitable_hook",
+    "reappend_ack_intents",
+]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +101,54 @@ async def reappend_ack_intents(shard: Shard, cp: consumer_pb.Checkpoint) -> None
     futures = [shard.appends.append_nowait(j, data) for j, data in cp.ack_intents.items()]
     for future in futures:
         await future
+
+
+class UnskippableFrame(ValueError):
+    """A bad frame whose source says skip or dead-letter, but whose end is unknown."""
+
+
+# The streamkit.yaml field each policy label stands for (for messages).
+_SETTINGS = {ON_UNDECODABLE_LABEL: "on_undecodable", ON_CONSUME_ERROR_LABEL: "on_consume_error"}
+_JSON = JsonLinesFraming()
+
+
+class PoisonPolicies:
+    """What a shard does with its sources' poison messages, from its spec's labels.
+
+    The labels name topics (`<topic>:<policy>`); a journal `<topic>/part-NNN`
+    follows its topic's policy, and any other journal fails (the default).
+    A bad label is a ValueError, failing the shard before it reads anything.
+    """
+
+    def __init__(self, spec: consumer_pb.ShardSpec) -> None:
+        self._by_topic: dict[tuple[str, str], str] = {}
+        self.dead_letters = ""  # the journal dead letters go to
+        for label in spec.labels.labels:
+            if label.name == DEAD_LETTERS_LABEL:
+                self.dead_letters = label.value
+            elif label.name in _SETTINGS:
+                topic, _, policy = label.value.rpartition(":")
+                if not topic or policy not in (SKIP, DEAD_LETTER):
+                    raise ValueError(f"shard {spec.id}: label {label.name}={label.value} is not "
+                                     f"<topic>:{SKIP} or <topic>:{DEAD_LETTER}")
+                self._by_topic[label.name, topic] = policy
+        if DEAD_LETTER in self._by_topic.values() and not self.dead_letters:
+            raise ValueError(f"shard {spec.id}: a source dead-letters but the spec has no "
+                             f"{DEAD_LETTERS_LABEL} label naming where to")
+
+    def of(self, journal: str, label: str) -> str:
+        """The policy (`label`: ON_UNDECODABLE_LABEL or ON_CONSUME_ERROR_LABEL) of a journal."""
+        return self._by_topic.get((label, journal.rpartition("/")[0]), FAIL)
+
+
+def _as_json(message: MessageLike) -> Any:
+    """A decoded message as JSON (as the JSON framing would write it), for a dead letter."""
+    out = bytearray()
+    try:
+        _JSON.encode(message, out)
+        return orjson.loads(out)
+    except (TypeError, ValueError):  # a dict with values JSON can't hold
+        return repr(message)
 
 
 class TransactionFailed(Exception):
@@ -101,6 +179,9 @@ class TransactionLoop:
         self.wait_for_ack = not spec.disable_wait_for_ack
         self.metrics = SHARD_METRICS.labels_for(shard.id)
         self._async_consume = inspect.iscoroutinefunction(app.consume_message)
+        self.policies = PoisonPolicies(spec)
+        dead_letters = self.policies.dead_letters
+        self._to_dead_letters = lambda _message: (dead_letters, NDJSON)
         self._begin = awaitable_hook(app.begin_txn)
         self._finalize = awaitable_hook(app.finalize_txn)
         self._finished = awaitable_hook(app.finished_txn)
@@ -172,14 +253,21 @@ class TransactionLoop:
         publisher.publisher.clock.update()
         consume = self.app.consume_message
         poll = source.poll
-        count = 0
+        count = skipped = 0
         while True:
             if env is not None:
                 count += 1
-                if self._async_consume:
-                    await consume(shard, store, env, publisher)
-                else:
-                    consume(shard, store, env, publisher)
+                try:
+                    if type(env.message) is BadFrame:
+                        raise env.message.error
+                    if self._async_consume:
+                        await consume(shard, store, env, publisher)
+                    else:
+                        consume(shard, store, env, publisher)
+                except Exception as error:
+                    if not self._pass_over(env, error):
+                        raise
+                    skipped += 1
                 if count % _CHECK_EVERY == 0:
                     now = loop.time()
                     if count % _YIELD_EVERY == 0 or now - self._yielded > _YIELD_AFTER:
@@ -218,8 +306,45 @@ class TransactionLoop:
             self.metrics.stalled.observe(time.monotonic() - stalled)
         self._check_previous()
         self.metrics.consumed.observe(loop.time() - started)
-        self.metrics.messages.inc(count)
-        await self._commit(count)
+        self.metrics.messages.inc(count - skipped)
+        await self._commit(count - skipped)
+
+    def _pass_over(self, env: Envelope, error: Exception) -> bool:
+        """Skip or dead-letter a poison message, as its source's policy says; False: fail.
+
+        Only a frame whose end is known can be skipped: otherwise good messages
+        might go with it, and UnskippableFrame fails the transaction instead.
+        """
+        bad = env.message if type(env.message) is BadFrame else None
+        label = ON_UNDECODABLE_LABEL if bad is not None else ON_CONSUME_ERROR_LABEL
+        policy = self.policies.of(env.journal, label)
+        if policy == FAIL:
+            return False
+        setting = f"{_SETTINGS[label]}: {policy}"
+        letter: dict[str, Any] = {"shard": self.shard.id, "journal": env.journal,
+                                  "offset": env.begin, "end": env.end}
+        if bad is not None:
+            if bad.error.frame is None or not bad.error.skippable:
+                raise UnskippableFrame(
+                    f"{error}; {setting} can't pass it: the framing can't tell where this "
+                    "frame ends (it resynchronizes by scanning), so good messages might be "
+                    "skipped with it"
+                ) from error
+            cause, reason = "undecodable", bad.error.reason
+            letter |= {"cause": cause, "error": reason,
+                       "raw": base64.b64encode(bad.error.frame).decode()}
+        else:
+            cause, reason = "consume-error", f"{type(error).__name__}: {error}"
+            letter |= {"cause": cause, "error": reason, "message": _as_json(env.message)}
+        done = "skipped"
+        if policy == DEAD_LETTER:
+            self.publisher.publish(self._to_dead_letters, letter)
+            done = f"dead-lettered to {self.policies.dead_letters}"
+        what = "undecodable" if bad is not None else "consume_message raised"
+        log.warning("shard %s: %s the message of %s at offset %d (%s): %s: %s", self.shard.id,
+                    done, env.journal, env.begin, setting, what, reason)
+        SKIPPED.labels(self.shard.id, env.journal, cause, policy).inc()
+        return True
 
     async def _commit(self, count: int) -> None:
         shard, store, publisher = self.shard, self.store, self.publisher

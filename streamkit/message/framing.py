@@ -9,6 +9,11 @@ this message" and resume there.
 Journals are shared and long-lived, so one bad frame must not stop a reader: a
 decoder reports it (a warning log and a bounded `errors` list of `FrameError`s,
 each naming journal and offset), skips it and finds the next frame boundary.
+When the framing knows exactly where the bad frame ends (a line of JSON or
+CSV), the FrameError also holds its end and bytes: then a shard may skip (or
+dead-letter) exactly that frame, by its source's policy. A decoder that had to
+resynchronize by scanning (the fixed protobuf framing) can't say, and a shard
+fails on such an error whatever its policy.
 
 Built-in framings, registered on first registry use:
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Literal, Protocol, runtime_checkable
 from uuid import UUID
 
@@ -55,17 +61,38 @@ MAX_ERRORS = 100
 
 
 class FrameError(ValueError):
-    """A frame that could not be decoded: where it was and why."""
+    """A frame that could not be decoded: where it was and why.
 
-    def __init__(self, journal: str, offset: int, reason: str) -> None:
+    `end` and `frame` are the bad frame's end offset and exact bytes when the
+    decoder skipped exactly that frame (`skippable`); None when it had to
+    resynchronize, so what it passed over is not known to be one frame.
+    """
+
+    def __init__(
+        self,
+        journal: str,
+        offset: int,
+        reason: str,
+        end: int | None = None,
+        frame: bytes | None = None,
+    ) -> None:
         super().__init__(f"bad frame in journal {journal!r} at offset {offset}: {reason}")
         self.journal = journal
         self.offset = offset
         self.reason = reason
+        self.end = end
+        self.frame = frame
 
-    def __reduce__(self) -> tuple[type[FrameError], tuple[str, int, str]]:
+    @property
+    def skippable(self) -> bool:
+        """Whether the frame's extent and bytes are known, so that exactly it can be skipped."""
+        return self.end is not None and self.frame is not None
+
+    def __reduce__(
+        self,
+    ) -> tuple[type[FrameError], tuple[str, int, str, int | None, bytes | None]]:
         # Default pickling would call FrameError(message); keep the fields instead.
-        return (type(self), (self.journal, self.offset, self.reason))
+        return (type(self), (self.journal, self.offset, self.reason, self.end, self.frame))
 
 
 class UnknownFraming(ValueError):
@@ -106,20 +133,28 @@ class DecoderBase:
     """Offset bookkeeping and error reporting shared by the built-in decoders.
 
     `_next` is the journal offset the next fed chunk must start at, or None
-    before the first chunk (any offset is then accepted).
+    before the first chunk (any offset is then accepted). `on_error`, if set,
+    is called with every FrameError as it is reported: unlike `errors`, it
+    misses none however many a chunk holds (a shard passes them on this way).
     """
 
     def __init__(self, journal: str) -> None:
         self.journal = journal
         self.errors: list[FrameError] = []
+        self.on_error: Callable[[FrameError], None] | None = None
         self._next: int | None = None
 
-    def _report(self, offset: int, reason: str) -> None:
-        error = FrameError(self.journal, offset, reason)
+    def _report(
+        self, offset: int, reason: str, end: int | None = None, frame: bytes | None = None
+    ) -> None:
+        """Report a bad frame; with `end` and `frame` when exactly [offset, end) was skipped."""
+        error = FrameError(self.journal, offset, reason, end, frame)
         log.warning("%s", error)
         self.errors.append(error)
         if len(self.errors) > MAX_ERRORS:
             del self.errors[: len(self.errors) - MAX_ERRORS]
+        if self.on_error is not None:
+            self.on_error(error)
 
     def _check_offset(self, offset: int, buffered: int) -> bool:
         """Whether a chunk at `offset` continues the stream; False means start over.

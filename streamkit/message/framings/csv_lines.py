@@ -17,7 +17,8 @@ newline. The decoder tracks, per line, whether it ends inside a quoted field,
 with the same rules as Python's csv reader; state carries over between chunks,
 so bytes are scanned once however a long record is split. Blank lines are
 skipped (as Go's and Python's CSV readers do); a record whose first column
-isn't a UUID is reported with its offset and skipped.
+isn't a UUID is reported with its offset, its end and its bytes, and skipped:
+a bad record is exactly one frame, so a shard may skip or dead-letter just it.
 """
 
 from __future__ import annotations
@@ -215,22 +216,23 @@ class CsvDecoder(LineDecoderBase):
 
         journal = self.journal
         out: list[Envelope] = []
-        for (begin, end, _), row in zip(spans, rows, strict=True):
-            if isinstance(row, str):
-                self._report(begin, row)
-            elif row:  # else a blank line
-                message = self._message(row, begin)
-                if message is not None:
+        for span, row in zip(spans, rows, strict=True):
+            if row:  # else a blank line
+                message = self._message(row) if isinstance(row, list) else row
+                begin, end, record = span
+                if isinstance(message, str):
+                    self._report(begin, message, end, record + b"\n")
+                else:
                     out.append(Envelope(journal, begin, end, message))
         return out
 
-    def _message(self, row: list[str], begin: int) -> MessageLike | None:
+    def _message(self, row: list[str]) -> MessageLike | str:
+        """The record's message, or why it isn't one."""
         if self._kind == "dict":
             try:
                 UUID(row[0])
             except ValueError:
-                self._report(begin, f"first column is not a UUID: {row[0][:40]!r}")
-                return None
+                return f"first column is not a UUID: {row[0][:40]!r}"
             keys = self._keys
             while len(keys) < len(row):
                 keys.append(f"c{len(keys)}")
@@ -238,10 +240,7 @@ class CsvDecoder(LineDecoderBase):
 
         model: type[Message] = self.message_type
         if len(row) != len(self._keys):
-            self._report(
-                begin, f"{len(row)} columns, but {model.__name__} has {len(self._keys)} fields"
-            )
-            return None
+            return f"{len(row)} columns, but {model.__name__} has {len(self._keys)} fields"
         nullable = self._nullable
         values = {
             key: None if value == "" and key in nullable else value
@@ -252,8 +251,7 @@ class CsvDecoder(LineDecoderBase):
         except ValidationError as exc:
             ack = acknowledgement_of(model, row[0])
             if ack is None:
-                problem = validation_summary(exc, "(record)")
-                self._report(begin, f"not a valid {model.__name__}: {problem}")
+                return f"not a valid {model.__name__}: {validation_summary(exc, '(record)')}"
             return ack
 
 

@@ -11,7 +11,8 @@ or pydantic-core's JSON serializer/validator (models), never Python's json.
 * protobuf messages: JSON mapping with the .proto field names (as Gazette does).
 
 A line that isn't a JSON object (or doesn't validate as the model) is reported
-with the offset of its first byte and skipped.
+with the offset of its first byte, its end and its bytes, and skipped: a bad
+line is always exactly one frame, so a shard may skip or dead-letter just it.
 """
 
 from __future__ import annotations
@@ -93,12 +94,12 @@ class JsonLinesDecoder(LineDecoderBase):
             try:
                 obj = loads(line)
             except orjson.JSONDecodeError as exc:
-                self._report(begin, f"invalid JSON: {exc}")
+                self._bad_line(line, begin, f"invalid JSON: {exc}")
             else:
                 if type(obj) is dict:
                     append(Envelope(journal, begin, end, obj))
                 else:
-                    self._report(begin, f"JSON {type(obj).__name__} is not an object")
+                    self._bad_line(line, begin, f"JSON {type(obj).__name__} is not an object")
             begin = end
         return out
 
@@ -123,19 +124,24 @@ class JsonLinesDecoder(LineDecoderBase):
             obj = _loads_object(line)
             ack = acknowledgement_of(model, obj.get(UUID_FIELD)) if obj is not None else None
             if ack is None:
-                self._report(begin, f"not a valid {model.__name__}: {validation_summary(exc)}")
+                problem = validation_summary(exc)
+                self._bad_line(line, begin, f"not a valid {model.__name__}: {problem}")
             return ack
 
     def _decode_proto(self, line: bytes, begin: int) -> ProtoMessage | None:
         obj = _loads_object(line)
         if obj is None:
-            self._report(begin, "not a JSON object")
+            self._bad_line(line, begin, "not a JSON object")
             return None
         try:
             return json_format.ParseDict(obj, self.message_type(), ignore_unknown_fields=True)
         except json_format.ParseError as exc:
-            self._report(begin, f"not a valid {self.message_type.__name__}: {exc}")
+            self._bad_line(line, begin, f"not a valid {self.message_type.__name__}: {exc}")
             return None
+
+    def _bad_line(self, line: bytes, begin: int, reason: str) -> None:
+        """Report a bad line as exactly one skippable frame (its newline included)."""
+        self._report(begin, reason, begin + len(line) + 1, line + b"\n")
 
 
 def _loads_object(line: bytes) -> dict[str, Any] | None:
