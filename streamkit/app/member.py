@@ -26,7 +26,7 @@ from streamkit.app.assignment import Assignment, MemberId
 from streamkit.app.config import AppConfig
 from streamkit.app.deploy import ensure_journals, ensure_shard_specs
 from streamkit.app.layout import Layout, check_layout, write_layout
-from streamkit.app.replica import Runtime
+from streamkit.app.replica import STOP_TIMEOUT, Runtime
 from streamkit.app.service import Service
 from streamkit.app.store_kinds import build_store
 from streamkit.app.waits import first_of
@@ -145,13 +145,17 @@ class Member:
         primary = allocator.state.primary_of(shard_id)
         return primary is not None and primary.member == allocator.member
 
-    async def stop(self) -> None:
-        """Gracefully: primaries commit what they consumed, then the member leaves."""
+    async def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Gracefully: primaries commit what they consumed, then the member leaves.
+
+        `timeout` bounds the commits (see `Service.stop`): shorter when the broker
+        is known to be down, so that stopping doesn't wait on it.
+        """
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await self.service.stop()
+        await self.service.stop(timeout)
         if self.allocator is not None:
             await self.allocator.leave()
 

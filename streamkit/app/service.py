@@ -14,6 +14,7 @@ import logging
 from collections.abc import Mapping
 
 from streamkit.app.replica import STOP_TIMEOUT, Replica, Runtime
+from streamkit.app.txn import TransactionLoop
 from streamkit.protocol import consumer_pb
 
 __all__ = ["Service"]
@@ -21,6 +22,8 @@ __all__ = ["Service"]
 log = logging.getLogger(__name__)
 
 Code = consumer_pb.ReplicaStatus.Code
+
+_STOP_MARGIN = 0.5  # seconds beyond a replica's own bounds before it is left behind
 
 
 class Service:
@@ -32,6 +35,7 @@ class Service:
         self._slots: dict[str, int] = {}
         self.changed = asyncio.Event()  # set when any replica's status changed
         self._watchers: dict[str, asyncio.Task[None]] = {}
+        self._left_behind: set[asyncio.Task[None]] = set()  # stops stuck on the broker
 
     async def assign(
         self, specs: Mapping[str, consumer_pb.ShardSpec], slots: Mapping[str, int]
@@ -63,8 +67,36 @@ class Service:
             self._slots[shard_id] = slot
 
     async def stop(self, timeout: float = STOP_TIMEOUT) -> None:
-        """Stop every replica gracefully (primaries commit what they consumed)."""
-        await asyncio.gather(*(self._drop(shard_id, timeout) for shard_id in list(self.replicas)))
+        """Stop every replica gracefully (primaries commit what they consumed).
+
+        A replica's stop takes up to `timeout` to commit and as long to release.
+        One still stopping after that waits on a broker that doesn't answer (even
+        its cancelled transaction waits for the commit in flight): it is left
+        behind, so that the process can exit (which cancels it, and what it waits
+        on, all at once); what it did not commit, the shard's next primary does again.
+        """
+        replicas = dict(self.replicas)
+        drops = {asyncio.create_task(self._drop(shard_id, timeout), name=f"stop:{shard_id}"):
+                 shard_id for shard_id in replicas}
+        if not drops:
+            return
+        try:
+            done, stuck = await asyncio.wait(drops, timeout=2 * timeout + _STOP_MARGIN)
+        except asyncio.CancelledError:
+            for task in drops:
+                task.cancel()
+            raise
+        if stuck:
+            log.warning("%d shard(s) not stopped within %.1fs (is the broker down?); left "
+                        "behind, their uncommitted transactions abandoned", len(stuck),
+                        2 * timeout + _STOP_MARGIN)
+        for task in stuck:
+            self._left_behind.add(task)
+            loop = replicas[drops[task]].loop
+            if loop is not None:
+                self._left_behind.add(asyncio.create_task(_outcome(drops[task], loop)))
+        for task in done:
+            task.result()
 
     def statuses(self) -> dict[str, consumer_pb.ReplicaStatus]:
         return {shard_id: replica.status for shard_id, replica in self.replicas.items()}
@@ -84,3 +116,13 @@ class Service:
             await event.wait()
             self.changed.set()
             self.changed = asyncio.Event()
+
+
+async def _outcome(shard_id: str, loop: TransactionLoop) -> None:
+    """Await a left-behind primary's commit in flight, so that its failure (the broker
+    gone, or the client closed as the process exits) is logged rather than unretrieved:
+    the transaction loop, cancelled while waiting for it, no longer looks."""
+    try:
+        await loop.wait_committed()
+    except Exception as error:
+        log.info("shard %s: its abandoned commit failed: %s", shard_id, error)

@@ -2,11 +2,15 @@
 
 Children are tied to the parent's life (Linux's parent-death signal), so a
 `streamkit run` that is killed outright doesn't leave a broker or workers
-behind holding ports and files.
+behind holding ports and files. A `Supervisor` keeps a child that serves a
+port (the bundled broker) running: the shards outlive a broker crash, since
+their clients reconnect and the broker recovers its journals from disk.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ctypes
 import os
 import signal
@@ -16,7 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["Child", "port_in_use", "start_child"]
+import click
+
+from streamkit.cli.errors import CliError, warn
+
+__all__ = ["Child", "Supervisor", "port_in_use", "start_child"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -36,16 +44,29 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
 
 
 class Child:
-    """A running child process with its log file."""
+    """A running child process with its log file (and, if asked, a file with its pid)."""
 
-    def __init__(self, name: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+    def __init__(self, name: str, proc: subprocess.Popen[bytes], log_path: Path,
+                 args: list[str] | None = None, pid_file: Path | None = None) -> None:
         self.name, self.proc, self.log_path = name, proc, log_path
+        self.args, self.pid_file = args or [], pid_file
 
     def tail(self, lines: int = 20) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+    def exit_description(self) -> str:
+        """How it ended, for messages: "exited with code 1", "was killed by SIGKILL"."""
+        code = self.proc.returncode
+        if code is None:
+            return "is running"
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                return f"was killed by {signal.Signals(-code).name}"
+            return f"was killed by signal {-code}"
+        return f"exited with code {code}"
 
     def wait_listening(self, port: int, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -58,6 +79,10 @@ class Child:
             time.sleep(0.05)
         raise TimeoutError(f"{self.name} did not listen on port {port} within {timeout:.0f}s")
 
+    def restarted(self) -> Child:
+        """The same command started again, logging to the same file."""
+        return start_child(self.name, self.args, self.log_path, self.pid_file)
+
     def stop(self, timeout: float = 20.0) -> int | None:
         """SIGTERM (a graceful stop), then SIGKILL after `timeout`."""
         if self.proc.poll() is None:
@@ -67,10 +92,15 @@ class Child:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.pid_file is not None:
+            with contextlib.suppress(OSError):
+                if self.pid_file.read_text().strip() == str(self.proc.pid):
+                    self.pid_file.unlink()
         return self.proc.returncode
 
 
-def start_child(name: str, args: list[str], log_path: Path) -> Child:
+def start_child(name: str, args: list[str], log_path: Path,
+                pid_file: Path | None = None) -> Child:
     """Start `streamkit ARGS...` with this interpreter, logging to `log_path`."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
@@ -79,4 +109,86 @@ def start_child(name: str, args: list[str], log_path: Path) -> Child:
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-    return Child(name, proc, log_path)
+    if pid_file is not None:  # for people (and tests) looking for the process
+        pid_file.write_text(f"{proc.pid}\n")
+    return Child(name, proc, log_path, args, pid_file)
+
+
+class Supervisor:
+    """Restarts a child serving `port` when it dies, saying so on stderr at once.
+
+    Only quick failures count against giving up: a child that dies within
+    `quick` seconds of starting (or never listens). After `max_restarts` of
+    those in a row, with growing pauses between them, `Supervisor.run` raises a
+    CliError: a child that keeps dying needs a person to read its log.
+    """
+
+    max_restarts = 5
+    quick = 30.0  # seconds: a child that ran longer before dying starts the count afresh
+    settle = 5.0  # seconds after a restart until its clients have surely reconnected
+    start_timeout = 30.0
+
+    def __init__(self, child: Child, port: int) -> None:
+        self.child, self.port = child, port
+        self.started = self.up_since = time.monotonic()
+        self.restarting: int | None = None  # the restart under way, if one is
+        self._failure: str | None = None  # why the last restart failed
+
+    def running(self) -> bool:
+        """Whether the child is up (not dead, nor being restarted)."""
+        return self.restarting is None and self.child.proc.poll() is None
+
+    def settled(self) -> bool:
+        """Whether the child is up, and has been long enough for its clients to be back."""
+        return self.running() and time.monotonic() - self.up_since >= self.settle
+
+    def state(self) -> str | None:
+        """A few words on a child that isn't simply running (for the status view)."""
+        if self.restarting is None:
+            return None
+        return f"{self.child.name} is down, restarting ({self.restarting} of {self.max_restarts})"
+
+    async def run(self, poll: float = 0.1) -> None:
+        """Supervise until cancelled; raises CliError on giving up."""
+        failures = 0
+        while True:
+            while self._failure is None and self.child.proc.poll() is None:
+                await asyncio.sleep(poll)
+            child = self.child
+            failure = self._failure or f"(pid {child.proc.pid}) {child.exit_description()}"
+            self._failure = None
+            failures = 1 if time.monotonic() - self.started >= self.quick else failures + 1
+            name, log = child.name, child.log_path
+            if failures > self.max_restarts:
+                raise CliError(f"{name} {failure}, after {self.max_restarts} restarts in a row; "
+                               f"giving up{self._last_words()}; its log: {log}")
+            self.restarting = failures
+            warn(f"{name} {failure}; restarting it on port {self.port} "
+                 f"(restart {failures} of {self.max_restarts}); its log: {log}")
+            await asyncio.sleep(0.0 if failures == 1 else min(4.0, 0.5 * 2 ** (failures - 2)))
+            self._failure = await self._restart()
+
+    async def _restart(self) -> str | None:
+        """Start the child again and wait until it listens: None, else what went wrong."""
+        self.started = time.monotonic()
+        if port_in_use(self.port):  # not by the child: starting would only fail to bind
+            return f"could not start: port {self.port} is taken by another process"
+        self.child = child = self.child.restarted()
+        while child.proc.poll() is None:
+            if port_in_use(self.port):
+                self.restarting, self.up_since = None, time.monotonic()
+                click.echo(f"streamkit: {child.name} is running again on port {self.port} "
+                           f"(pid {child.proc.pid})", err=True)
+                return None
+            if time.monotonic() - self.started > self.start_timeout:
+                await asyncio.to_thread(child.stop, 5.0)
+                return f"did not listen on port {self.port} within {self.start_timeout:.0f}s"
+            await asyncio.sleep(0.05)
+        return f"(pid {child.proc.pid}) {child.exit_description()} while starting"
+
+    def _last_words(self) -> str:
+        """What a child that exited with an error logged last (" (it logged: ...)")."""
+        if not self.child.proc.returncode or self.child.proc.returncode < 0:
+            return ""
+        last = " ".join(self.child.tail(1).split())
+        return f" (it logged: {last[:300]})" if last else ""

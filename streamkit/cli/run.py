@@ -5,6 +5,9 @@
 shards in this process (plus `--workers - 1` worker processes that share them
 through the KeySpace), and shows their live status. Ctrl-C stops gracefully:
 every primary commits what it consumed, and running again resumes there.
+`run` supervises the bundled broker: if it dies, `run` says so and starts it
+again on the same port and data (the shards' clients reconnect; appends the
+broker acknowledged survive), giving up after a few quick failures in a row.
 
 `serve` is one member process alone, for running an app's shards across
 machines against a shared broker and KeySpace.
@@ -17,7 +20,8 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import click
@@ -26,8 +30,10 @@ import grpc
 from streamkit.app.config import AppConfig, load_config
 from streamkit.app.layout import check_layout
 from streamkit.app.member import Member, MemberOptions, deploy
+from streamkit.app.replica import STOP_TIMEOUT
 from streamkit.app.store_kinds import STORE_KINDS
-from streamkit.cli.children import Child, port_in_use, start_child
+from streamkit.app.waits import first_of
+from streamkit.cli.children import Child, Supervisor, port_in_use, start_child
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command
 from streamkit.cli.logs import configure_logging
 from streamkit.client import BrokerClient
@@ -40,6 +46,10 @@ __all__ = ["DEFAULT_BROKER_PORT", "app_config", "keyspace_url_of", "run", "serve
 log = logging.getLogger(__name__)
 
 DEFAULT_BROKER_PORT = 8080
+# Seconds the shards get to commit when stopping while the bundled broker is down or just
+# back: its clients may not have reconnected, and a transaction not committed is only done
+# again by the next run.
+_QUICK_STOP = 1.0
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -61,8 +71,11 @@ def keyspace_url_of(config: AppConfig, keyspace: str | None) -> str:
 
 @contextlib.asynccontextmanager
 async def _member(config: AppConfig, app_class: type, client: BrokerClient, keyspace: KeySpace,
-                  *, suffix: str, broker_file_root: Path | None) -> AsyncIterator[Member]:
-    """A member with its Shard API and HTTP endpoints, stopped gracefully on exit."""
+                  *, suffix: str, broker_file_root: Path | None,
+                  stop_timeout: Callable[[], float] = lambda: STOP_TIMEOUT,
+                  ) -> AsyncIterator[Member]:
+    """A member with its Shard API and HTTP endpoints, stopped gracefully on exit (its
+    commits bounded by `stop_timeout()`, asked as the stop begins)."""
     from streamkit.app.shard_api import serve_member_apis
 
     options = MemberOptions(work_dir=config.data_dir / "shards" / suffix, suffix=suffix,
@@ -74,7 +87,7 @@ async def _member(config: AppConfig, app_class: type, client: BrokerClient, keys
         await member.start()
         yield member
     finally:
-        await member.stop()
+        await member.stop(stop_timeout())
         await grpc_server.stop(1.0)
         await http_runner.cleanup()
 
@@ -117,15 +130,19 @@ async def _deploy_when_ready(config: AppConfig, client: BrokerClient, keyspace: 
 _NOT_YET = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
-async def _until_signalled() -> None:
+async def _until_signalled(supervising: asyncio.Task[None] | None = None) -> None:
+    """Until SIGINT or SIGTERM; raises what ended `supervising` (a broker given up on)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await first_of([stop.wait(), *([supervising] if supervising is not None else [])])
+    if supervising is not None and supervising.done():
+        supervising.result()
 
 
 def start_bundled_broker(config: AppConfig, port: int, keyspace_url: str) -> Child:
+    """The bundled broker on `port` (HTTP on the next), its pid in .streamkit/broker.pid."""
     if port_in_use(port) or port_in_use(port + 1):
         raise CliError(f"port {port} or {port + 1} is in use: is a broker already running? "
                        f"Pass --broker 127.0.0.1:{port} to use it, or --port to pick others",
@@ -133,7 +150,8 @@ def start_bundled_broker(config: AppConfig, port: int, keyspace_url: str) -> Chi
     data = config.data_dir / "broker"
     child = start_child("the bundled broker", [
         "broker", "serve", "--data-dir", str(data), "--port", str(port),
-        "--keyspace", keyspace_url], config.data_dir / "broker.log")
+        "--keyspace", keyspace_url], config.data_dir / "broker.log",
+        config.data_dir / "broker.pid")
     child.wait_listening(port)
     return child
 
@@ -173,12 +191,24 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
     keyspace_url = keyspace_url_of(config, keyspace)
     async with open_keyspace(keyspace_url) as ks:  # before starting anything
         await check_layout(config, ks)
-    bundled: Child | None = None
+    bundled: Supervisor | None = None
+    supervising: asyncio.Task[None] | None = None
     workers_: list[Child] = []
     file_root = None
+    stopping: dict[str, float] = {}  # the shards' time to commit; when stopping began
+
+    def stop_timeout() -> float:
+        """The usual time to commit, unless the bundled broker is down or just back (decided
+        as stopping begins)."""
+        if not stopping:
+            quick = bundled is not None and not bundled.settled()
+            stopping.update(timeout=_QUICK_STOP if quick else STOP_TIMEOUT, began=time.monotonic())
+        return stopping["timeout"]
+
     try:
         if broker is None:
-            bundled = start_bundled_broker(config, port, keyspace_url)
+            bundled = Supervisor(start_bundled_broker(config, port, keyspace_url), port)
+            supervising = asyncio.create_task(bundled.run(), name="broker supervisor")
             broker = f"127.0.0.1:{port}"
             file_root = config.data_dir / "broker" / "fragments"
         # Workers start before this process opens gRPC channels: forking a process
@@ -195,24 +225,37 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
             await _deploy_when_ready(config, client, ks, broker)
             await _wait_for_members(config, ks, workers_)
             async with _member(config, app_class, client, ks, suffix="worker-0",
-                               broker_file_root=file_root):
-                view = StatusView(config, ks, live=status)
+                               broker_file_root=file_root, stop_timeout=stop_timeout):
+                view = StatusView(config, ks, live=status,
+                                  notice=bundled.state if bundled is not None else None)
                 viewing = asyncio.create_task(view.run())
                 try:
-                    await _until_signalled()
+                    await _until_signalled(supervising)
                 finally:
                     viewing.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await viewing
-                    click.echo("stopping: committing the shards' last transactions...",
+                    stop_timeout()  # decided now, while stopping begins
+                    click.echo("stopping: committing the shards' last transactions..."
+                               if bundled is None or bundled.running() else
+                               f"stopping: the bundled broker is down: what the shards cannot "
+                               f"commit within {_QUICK_STOP:.0f}s is left to the next run...",
                                err=True)
                     for child in workers_:  # they stop while this member stops too
                         child.proc.send_signal(signal.SIGTERM)
-            for child in workers_:
-                await asyncio.to_thread(child.stop)
     finally:
-        for child in [*workers_, *([bundled] if bundled else [])]:
-            await asyncio.to_thread(child.stop)
+        # Workers wait on the broker as this member does: when it's down, they get about the
+        # time this member's shards got, then SIGKILL (their transactions are done again).
+        patience = STOP_TIMEOUT
+        if stop_timeout() != STOP_TIMEOUT:
+            patience = max(0.1, stopping["began"] + 2 * _QUICK_STOP + 1.0 - time.monotonic())
+        if supervising is not None:  # before stopping the broker, which it would restart
+            supervising.cancel()
+            with contextlib.suppress(asyncio.CancelledError, CliError):
+                await supervising
+        await asyncio.gather(*(asyncio.to_thread(child.stop, patience) for child in workers_))
+        if bundled is not None:
+            await asyncio.to_thread(bundled.child.stop)
 
 
 @click.command("serve")

@@ -4,7 +4,9 @@ Assignments come from the KeySpace; progress from each member's HTTP
 `/status`; lag is the sources' write heads (as the shard's readers last heard
 them from the broker) minus what the shard read through.
 On a terminal it is a table redrawn every second; otherwise a summary line
-goes to stderr every ten seconds, so logs of long runs stay readable.
+goes to stderr every ten seconds, so logs of long runs stay readable. A
+`notice` (the bundled broker being restarted) goes with both: while it lasts,
+the shards' numbers are stale.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,9 +94,10 @@ async def collect(config: AppConfig, keyspace: KeySpace) -> list[ShardRow]:
 class StatusView:
     """Redraws (or logs) the shards' status until cancelled."""
 
-    def __init__(self, config: AppConfig, keyspace: KeySpace,
-                 live: bool | None = None) -> None:
+    def __init__(self, config: AppConfig, keyspace: KeySpace, live: bool | None = None,
+                 notice: Callable[[], str | None] | None = None) -> None:
         self.config, self.keyspace = config, keyspace
+        self.notice = notice or (lambda: None)
         self.live = sys.stdout.isatty() if live is None else live
         self._last: dict[str, tuple[float, int]] = {}
 
@@ -124,6 +128,8 @@ class StatusView:
         counts = ", ".join(f"{n} {state.lower()}" for state, n in sorted(states.items()))
         text = (f"streamkit: {self.config.name}: {counts}; "
                 f"{sum(r.rate for r in rows):,.0f} msgs/s, lag {sum(r.lag for r in rows):,} B")
+        if (notice := self.notice()) is not None:
+            text += f"; {notice}"
         return "\n".join([text, *(f"streamkit: failed shard {f}" for f in failed)])
 
     async def _run_live(self) -> None:
@@ -151,4 +157,6 @@ class StatusView:
         for row in rows:
             if row.errors:
                 table.caption = f"{row.shard}: {row.errors[0]}"
+        if (notice := self.notice()) is not None:
+            table.caption = f"[yellow]{notice}[/yellow]"
         return table

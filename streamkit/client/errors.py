@@ -161,10 +161,11 @@ def is_transient(exc: BaseException) -> bool:
     code = exc.code() if callable(getattr(exc, "code", None)) else None
     if code == grpc.StatusCode.UNAVAILABLE:
         return True
+    details = (exc.details() or "").lower() if callable(getattr(exc, "details", None)) else ""
     if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-        details = (exc.details() or "").lower() if callable(getattr(exc, "details", None)) else ""
         return any(hint in details for hint in _CONNECTION_HINTS)
-    return False
+    # gRPC core may report a connection lost mid-stream this way (grpc/grpc#36066).
+    return code == grpc.StatusCode.INTERNAL and "internal error from core" in details
 
 
 def describe(exc: BaseException) -> str:

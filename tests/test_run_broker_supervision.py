@@ -1,0 +1,184 @@
+"""`streamkit run` supervising its bundled broker: a SIGKILLed broker is reported at once
+and restarted on the same port and data, the shards (in `run` and in its `--workers`)
+carry on exactly once, Ctrl-C stays prompt, and a broker that cannot start again makes
+`run` give up with a one-line error.
+
+Like tests/test_run_e2e.py, these run real processes and judge only what a user could
+observe: run's output and exit code, the KeySpace, the members' APIs and the committed
+output topic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+from tests.brokerproc import free_port
+from tests.e2e import (
+    AppView,
+    Feeder,
+    Proc,
+    copy_wordcount,
+    eventually,
+    expected_counts,
+    totals_of_updates,
+)
+
+
+def _run_bundled(app: Path, port: int, log_path: Path, *extra: str) -> Proc:
+    """`streamkit run` starting its own broker (no --broker) on `port`."""
+    return Proc.streamkit(["run", str(app), "--port", str(port), "--no-status",
+                           "--log-level", "INFO", *extra], log_path).start()
+
+
+def _broker_pid(app: Path) -> int | None:
+    try:
+        return int((app / ".streamkit" / "broker.pid").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, killed but not yet reaped by run, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _kill_broker(app: Path) -> int:
+    pid = _broker_pid(app)
+    assert pid is not None and _alive(pid), "run should name its live broker in broker.pid"
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+async def _check_exact(view: AppView, ids: range) -> None:
+    """Counts are exact as queried, and the committed output holds each update once."""
+    expected = expected_counts(ids)
+    serving = await view.wait_caught_up(timeout=60)
+    assert await view.query_counts(serving) == expected
+    assert totals_of_updates(await view.output_updates()) == expected
+
+
+def _death_lines(run: Proc) -> list[str]:
+    return [line for line in run.text().splitlines()
+            if line.startswith("streamkit: warning: the bundled broker")]
+
+
+async def test_broker_sigkill_is_reported_restarted_and_counts_stay_exact(
+        tmp_path: Path) -> None:
+    """SIGKILL the bundled broker under `run --workers 2`: run says so within 2 s naming the
+    broker, the signal and its log, starts it again, both members keep serving, every line
+    is counted once and no output update repeats; Ctrl-C then stops run promptly."""
+    app = copy_wordcount(tmp_path / "wordcount")
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    run = _run_bundled(app, port, tmp_path / "run.log", "--workers", "2")
+    try:
+        async with AppView(app, address) as view:
+            await view.wait_serving(timeout=60)
+            ids = Feeder(app, address, tmp_path / "feed-1.log", count=400,
+                         interval=0).start().finish()
+            await _check_exact(view, ids)
+
+            killed = _kill_broker(app)
+            killed_at = time.monotonic()
+            lines = await eventually(lambda: _death_lines(run), 2.0,
+                                     "run to report the broker's death", interval=0.02)
+            print(f"reported after {time.monotonic() - killed_at:.2f}s: {lines[0]}")
+            assert len(lines) == 1, lines
+            assert f"(pid {killed})" in lines[0] and "SIGKILL" in lines[0], lines[0]
+            assert ".streamkit/broker.log" in lines[0] and "restarting" in lines[0], lines[0]
+
+            await eventually(lambda: "bundled broker is running again" in run.text(), 30,
+                             "the broker to be restarted")
+            restarted = _broker_pid(app)
+            assert restarted is not None and restarted != killed and _alive(restarted)
+
+            more = Feeder(app, address, tmp_path / "feed-2.log", start=ids.stop, count=400,
+                          interval=0).start().finish()
+            await _check_exact(view, range(0, more.stop))
+            state = await view.state()
+            serving = {state.primary_of(s).suffix for s in view.config.shard_ids()}
+            assert serving == {"worker-0", "worker-1"}, serving
+            assert run.alive, run.log()
+
+            stopping = time.monotonic()
+            code = await asyncio.to_thread(run.signal, signal.SIGINT)
+            stopped = time.monotonic() - stopping
+            print(f"stopped in {stopped:.2f}s")
+            assert code == 0, run.log()
+            assert stopped < 5.0, f"stopping took {stopped:.2f}s"
+            assert "committing the shards' last transactions" in run.text()
+            assert "Traceback" not in run.text(), run.log()
+            assert not _alive(restarted), "run should stop the broker it restarted"
+            assert _broker_pid(app) is None, "a stopped broker's pid file should be gone"
+    finally:
+        run.stop()
+
+
+async def test_interrupt_while_the_broker_is_down_is_prompt(tmp_path: Path) -> None:
+    """Ctrl-C right after the broker died, with transactions in flight: run stops within a
+    few seconds (abandoning what it cannot commit), and a new run counts every line once."""
+    app = copy_wordcount(tmp_path / "wordcount")
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    run = _run_bundled(app, port, tmp_path / "run-1.log", "--workers", "2")
+    try:
+        async with AppView(app, address) as view:
+            await view.wait_serving(timeout=60)
+            ids = Feeder(app, address, tmp_path / "feed.log", count=1500, batch=100,
+                         interval=0).start().finish()
+            _kill_broker(app)
+            await eventually(lambda: _death_lines(run), 2.0, "run to report the broker's death",
+                             interval=0.02)
+            stopping = time.monotonic()
+            code = await asyncio.to_thread(run.signal, signal.SIGINT)
+            stopped = time.monotonic() - stopping
+            print(f"stopped in {stopped:.2f}s")
+            assert code == 0, run.log()
+            assert stopped < 8.0, f"stopping took {stopped:.2f}s"
+            assert "stopping: the bundled broker is down" in run.text(), run.log()
+            assert "Traceback" not in run.text(), run.log()
+
+            run = _run_bundled(app, port, tmp_path / "run-2.log", "--workers", "2")
+            await _check_exact(view, ids)
+    finally:
+        run.stop()
+
+
+async def test_a_broker_that_cannot_start_again_makes_run_give_up(tmp_path: Path) -> None:
+    """The broker's data dir turned into a file, then the broker killed: each restart fails
+    at once, and after the bounded retries run exits 1 with a one-line error naming the
+    broker and why, without a traceback."""
+    app = copy_wordcount(tmp_path / "wordcount")
+    port = free_port()
+    run = _run_bundled(app, port, tmp_path / "run.log")
+    try:
+        async with AppView(app, f"127.0.0.1:{port}") as view:
+            await view.wait_serving(timeout=60)
+        data = app / ".streamkit" / "broker"
+        data.rename(data.with_name("broker-moved"))
+        data.write_text("not a directory\n")
+        _kill_broker(app)
+        started = time.monotonic()
+        assert run.proc is not None
+        code = await asyncio.to_thread(run.proc.wait, 90)
+        print(f"gave up after {time.monotonic() - started:.2f}s")
+        output = run.text()
+        assert code == 1, output
+        assert "Traceback" not in output, output
+        assert len(_death_lines(run)) == 5, _death_lines(run)
+        errors = [line for line in output.splitlines() if line.startswith("streamkit: error:")]
+        assert len(errors) == 1, errors
+        error = errors[0]
+        assert output.rstrip().endswith(error), output[-2000:]
+        assert "the bundled broker" in error and "exited with code" in error, error
+        assert "giving up" in error and "after 5 restarts" in error, error
+        assert "is a file" in error and ".streamkit/broker.log" in error, error
+    finally:
+        run.stop()
