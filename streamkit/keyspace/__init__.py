@@ -1,5 +1,7 @@
 """Revisioned key/values with watches, leases and transactions (see `KeySpace`)."""
 
+from typing import TYPE_CHECKING, Any
+
 from streamkit.keyspace.keyspace import (
     CompactedError,
     Compare,
@@ -17,11 +19,25 @@ from streamkit.keyspace.keyspace import (
 )
 from streamkit.keyspace.sqlite import SQLiteKeySpace
 
+if TYPE_CHECKING:
+    from streamkit.keyspace.etcd import EtcdKeySpace
+
+
+def __getattr__(name: str) -> Any:
+    """`EtcdKeySpace` on first use, so that SQLite users never load gRPC and aetcd."""
+    if name == "EtcdKeySpace":
+        from streamkit.keyspace.etcd import EtcdKeySpace
+
+        return EtcdKeySpace
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "CompactedError",
     "Compare",
     "Delete",
     "DeletePrefix",
+    "EtcdKeySpace",
     "Event",
     "KeySpace",
     "KeySpaceError",

@@ -2,7 +2,7 @@
 
 Everything streamkit keeps about its cluster (journal and shard specs, members,
 assignments, hints) lives under keys of one `KeySpace`. The interface follows
-etcd's data model closely so that the embedded SQLite backend and a future etcd
+etcd's data model closely so that the embedded SQLite backend and the etcd
 backend are interchangeable:
 
 * one global `revision` counter, bumped once by every transaction that changes
@@ -218,7 +218,11 @@ class KeySpace(abc.ABC):
 
     @abc.abstractmethod
     async def grant(self, ttl_seconds: float) -> int:
-        """Create a lease that expires `ttl_seconds` from now; returns its id."""
+        """Create a lease that expires `ttl_seconds` from now; returns its id.
+
+        A backend may round the TTL up to its granularity (etcd: whole seconds,
+        and at least its minimum TTL), never down.
+        """
 
     @abc.abstractmethod
     async def keepalive(self, lease_id: int) -> bool:
@@ -248,13 +252,14 @@ def open_keyspace(url: str, **options: float) -> KeySpace:
     """Open the KeySpace a URL names.
 
     `sqlite:///abs/path.db` or a plain file path open the embedded backend
-    (`options` go to `SQLiteKeySpace`); `etcd://host:port` is reserved for
-    the etcd backend.
+    (`options` go to `SQLiteKeySpace`). `etcd://host:port[,host:port...]/prefix`
+    opens the etcd backend (`options` go to `EtcdKeySpace`), keeping every key
+    under `prefix` (which may be empty) so that several apps can share one etcd.
     """
     if url.startswith("etcd://"):
-        raise KeySpaceError(
-            f"etcd backend not yet available ({url}): use a sqlite:/// URL or a file path"
-        )
+        from streamkit.keyspace.etcd import EtcdKeySpace
+
+        return EtcdKeySpace.from_url(url, **options)
     if url.startswith("sqlite://"):
         path = url.removeprefix("sqlite://")
         if not path.startswith("/"):
