@@ -70,8 +70,8 @@ def app_options(fn: F) -> F:
                            "(default: from the app's streamkit.yaml).")(fn)
     fn = click.option("--keyspace", "keyspace_url", metavar="URL", default=None,
                       envvar="STREAMKIT_KEYSPACE", show_envvar=True,
-                      help="KeySpace file or sqlite:/// URL (default: the app's, in its "
-                           "data folder).")(fn)
+                      help="KeySpace file, sqlite:/// or etcd://host:port/prefix URL "
+                           "(default: the app's, in its data folder).")(fn)
     return click.option("--app", "app_dir", metavar="DIR", default=".", show_default=True,
                         type=click.Path(file_okay=False, path_type=Path),
                         help="The app's folder (holding streamkit.yaml).")(fn)
