@@ -27,6 +27,28 @@ Failover latency is about the lease TTL: a dead process's lease lapses
 deletes its keys (SQLiteKeySpace expires lazily, and every live allocator's
 watch polls the store every `poll_interval`); the leader then promotes
 within one settle delay plus one transaction.
+
+The three background loops run supervised (`streamkit.app.supervise`), each
+with its own policy on a crash:
+
+* keepalive: never restarted. A keepalive the KeySpace answers "expired" (the
+  process was paused past its lease) announces the member again under a new
+  lease: its old assignments went with the old one, and once the watch shows
+  them gone the member stops those replicas. But keepalives that fail (an
+  error, or no answer within `lease_ttl`) for `lease_ttl` since the last one
+  the KeySpace answered raise `LeaseLost`: the lease has lapsed as far as the
+  others know, they may already run this member's shards, and a KeySpace
+  this member can't reach won't tell it so. That, and any other crash, gives
+  the allocator up (below).
+* watch and converge: restarted with backoff (`RESTART`); they rebuild their
+  state on starting (the watch reads the KeySpace afresh, converge plans from
+  the current state), so a transient bug costs a pause. After too many quick
+  crashes in a row they are given up on as well. KeySpace errors are expected
+  and retried inside the loops, without counting as crashes.
+
+Giving up stops all three loops at once, so the lease lapses if nobody
+revokes it sooner, and calls `on_failure`: a `Member` then stops its shards
+and revokes the lease, and the process exits non-zero.
 """
 
 from __future__ import annotations
@@ -54,6 +76,7 @@ from streamkit.app.assignment import (
     member_key,
 )
 from streamkit.app.solver import Placement, solve
+from streamkit.app.supervise import LoopFailure, Restart, supervised
 from streamkit.keyspace import (
     CompactedError,
     Compare,
@@ -65,11 +88,18 @@ from streamkit.keyspace import (
     Put,
 )
 from streamkit.protocol import consumer_pb
+from streamkit.tasks import wait_finished
 
 log = logging.getLogger(__name__)
 
 # Items per converge transaction; a failed batch is retried item by item.
 BATCH_ITEMS = 32
+# How the watch and converge loops are restarted after a crash.
+RESTART = Restart()
+
+
+class LeaseLost(Exception):
+    """No keepalive was answered for a lease's TTL: the others may have taken its shards."""
 
 
 @dataclass
@@ -298,6 +328,8 @@ class Allocator:
     `start()` announces the member and begins watching; `state` is then kept
     current. Leave with `leave()` (hands off at once) or stop with
     `close()` (keys linger until the lease lapses, as after a crash).
+    `on_failure` is called when a background loop is given up on (see the
+    module docstring); the loops have stopped by then.
     """
 
     def __init__(
@@ -309,6 +341,7 @@ class Allocator:
         *,
         lease_ttl: float = 2.0,
         settle: float = 0.02,
+        on_failure: Callable[[LoopFailure], None] | None = None,
     ) -> None:
         if lease_ttl <= 0:
             raise ValueError("lease_ttl must be positive")
@@ -334,6 +367,7 @@ class Allocator:
         self._dirty = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._desired: Placement | None = None
+        self._on_failure = on_failure
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -342,13 +376,36 @@ class Allocator:
         if self._tasks:
             raise RuntimeError("allocator already started")
         await self._announce()
-        kvs, revision = await self.keyspace.range(self.root + "/")
-        self._load(kvs, revision)
+        await self._reload()
+        owner, give_up = f"member {self.member}", self._give_up
         self._tasks = [
-            asyncio.create_task(self._keepalive_loop(), name=f"allocator-keepalive {self.member}"),
-            asyncio.create_task(self._watch_loop(revision), name=f"allocator-watch {self.member}"),
-            asyncio.create_task(self._converge_loop(), name=f"allocator-converge {self.member}"),
+            supervised(
+                "allocator-keepalive", self._keepalive_loop, owner=owner, on_give_up=give_up
+            ),
+            supervised(
+                "allocator-watch",
+                self._watch_loop,
+                owner=owner,
+                on_give_up=give_up,
+                restart=RESTART,
+            ),
+            supervised(
+                "allocator-converge",
+                self._converge_loop,
+                owner=owner,
+                on_give_up=give_up,
+                restart=RESTART,
+            ),
         ]
+
+    def _give_up(self, failure: LoopFailure) -> None:
+        """A loop failed for good: stop the others (the lease is no longer kept alive, and
+        this member no longer leads) and tell the owner."""
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        if self._on_failure is not None:
+            self._on_failure(failure)
 
     async def leave(self) -> None:
         """Leave now: stop leading, and revoke the lease, deleting this member's
@@ -368,8 +425,7 @@ class Allocator:
         for task in tasks:
             task.cancel()
         for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await wait_finished(task, task.get_name())
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -447,9 +503,12 @@ class Allocator:
         copy.CopyFrom(status)
         return dataclasses.replace(assignment, status=copy, mod_revision=result.revision)
 
-    def _load(self, kvs: Sequence[KeyValue], revision: int) -> None:
+    async def _reload(self) -> int:
+        """Read the whole state afresh; its revision."""
+        kvs, revision = await self.keyspace.range(self.root + "/")
         self._kvs = {kv.key: kv for kv in kvs}
         self._publish(revision)
+        return revision
 
     def _publish(self, revision: int) -> None:
         self._state = build_state(self.root, self._kvs.values(), revision)
@@ -460,19 +519,43 @@ class Allocator:
     # -- background tasks ------------------------------------------------------
 
     async def _keepalive_loop(self) -> None:
+        """Keep the lease alive; raises LeaseLost once it went `lease_ttl` without (see the
+        module docstring)."""
+        clock = asyncio.get_running_loop()
+        answered_at = clock.time()  # when the last keepalive the KeySpace answered began
+        lost = False  # the lease expired: announcing again
         while True:
             await asyncio.sleep(self.lease_ttl / 3)
+            began = clock.time()
             try:
-                if not await self.keyspace.keepalive(self.lease):
-                    log.warning("member %s lost its lease; announcing again", self.member)
+                if not lost:
+                    async with asyncio.timeout(self.lease_ttl):
+                        lost = not await self.keyspace.keepalive(self.lease)
+                    answered_at = began
+                    if lost:
+                        log.warning("member %s lost its lease; announcing again", self.member)
+                if lost:
                     await self._announce()
-            except KeySpaceError as e:
-                log.warning("member %s keepalive failed: %s", self.member, e)
+                    lost = False
+            except (KeySpaceError, TimeoutError) as e:
+                timed_out = isinstance(e, TimeoutError)
+                error = f"no answer within {self.lease_ttl:g}s" if timed_out else str(e)
+                silent = clock.time() - answered_at
+                if silent >= self.lease_ttl:
+                    raise LeaseLost(
+                        f"no keepalive of lease {self.lease} answered for {silent:.1f}s "
+                        f"(TTL {self.lease_ttl:g}s; last error: {error}): the lease has lapsed"
+                    ) from (None if timed_out else e)
+                log.warning("member %s keepalive failed: %s", self.member, error)
 
-    async def _watch_loop(self, revision: int) -> None:
+    async def _watch_loop(self) -> None:
+        """Keep `state` current; reads the whole state first, as a restart must."""
         prefixes = tuple(f"{self.root}/{part}/" for part in ("items", "members", "assign"))
+        revision: int | None = None  # None: read the whole state (again)
         while True:
             try:
+                if revision is None:
+                    revision = await self._reload()
                 async with contextlib.aclosing(
                     self.keyspace.watch(self.root + "/", revision)
                 ) as events:
@@ -490,13 +573,15 @@ class Allocator:
                         if relevant:
                             self._publish(revision)
             except CompactedError:
-                kvs, revision = await self.keyspace.range(self.root + "/")
-                self._load(kvs, revision)
+                revision = None
             except KeySpaceError as e:
                 log.warning("allocator watch failed (%s); retrying", e)
                 await asyncio.sleep(0.1)
 
     async def _converge_loop(self) -> None:
+        """Lead while this member is the leader; starts afresh from the current state."""
+        self._desired = None
+        self._dirty.set()
         while True:
             await self._dirty.wait()
             await asyncio.sleep(self.settle)

@@ -8,12 +8,22 @@ every shard as primary.
 
 `deploy` writes what the app's config implies — journals and shard specs —
 and is idempotent, so every `streamkit run` may call it.
+
+A member is crash-only about its own loops. The assignment follower (which
+keeps the Service in line with the KeySpace and reports statuses) is never
+restarted: a crash means the member's view of what it runs can't be trusted.
+The allocator's loops are restarted or given up on by their own policy (see
+`streamkit.app.allocator`). A loop given up on stops the member at once:
+it stops the follower, gives its primaries `FAILED_STOP_TIMEOUT` to commit,
+and revokes its lease, so that its shards move to other members;
+`wait_failed` returns the failure, and `streamkit run` / `serve` exit 1
+naming the loop. KeySpace errors while reporting statuses are expected and
+retried, not crashes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -29,14 +39,22 @@ from streamkit.app.layout import Layout, check_layout, write_layout
 from streamkit.app.replica import STOP_TIMEOUT, Runtime
 from streamkit.app.service import Service
 from streamkit.app.store_kinds import build_store
+from streamkit.app.supervise import LoopFailure, supervised
 from streamkit.app.waits import first_of
 from streamkit.client import BrokerClient
-from streamkit.keyspace.keyspace import KeySpace
+from streamkit.keyspace.keyspace import KeySpace, KeySpaceError
 from streamkit.protocol import consumer_pb, pb
+from streamkit.tasks import cancel_and_wait
 
-__all__ = ["Member", "MemberOptions", "deploy"]
+__all__ = ["FAILED_STOP_TIMEOUT", "Member", "MemberOptions", "deploy"]
 
 log = logging.getLogger(__name__)
+
+# Seconds a member stopping because a loop failed gives its primaries to commit: its
+# lease may be gone already, and what they don't commit, their next primaries do again.
+FAILED_STOP_TIMEOUT = 5.0
+# Seconds before statuses that couldn't be written (a KeySpace error) are tried again.
+_REPORT_RETRY = 0.5
 
 
 async def deploy(config: AppConfig, client: BrokerClient, keyspace: KeySpace) -> None:
@@ -108,7 +126,10 @@ class Member:
         )
         self.service = Service(self.runtime)
         self.allocator: Allocator | None = None
+        self.failure: LoopFailure | None = None  # the loop whose failure stopped this member
+        self._failed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._stopping: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         if self.options.allocate:
@@ -125,9 +146,15 @@ class Member:
                 member,
                 spec,
                 lease_ttl=self.options.lease_ttl,
+                on_failure=self._fail,
             )
             await self.allocator.start()
-            self._task = asyncio.create_task(self._follow_assignments(), name="assignments")
+            self._task = supervised(
+                "assignment-follower",
+                self._follow_assignments,
+                owner=f"member {member}",
+                on_give_up=self._fail,
+            )
         else:
             kvs, _ = await self.keyspace.range(f"{self.config.keyspace_root}/items/")
             specs = {}
@@ -149,15 +176,50 @@ class Member:
         """Gracefully: primaries commit what they consumed, then the member leaves.
 
         `timeout` bounds the commits (see `Service.stop`): shorter when the broker
-        is known to be down, so that stopping doesn't wait on it.
+        is known to be down, so that stopping doesn't wait on it. Once stopping
+        (or stopped, after a failed loop), this waits for that stop. A caller
+        cancelled meanwhile leaves the stop to go on without it.
         """
+        if self._stopping is None:
+            self._stopping = asyncio.create_task(self._stop(timeout), name="member stop")
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, timeout: float) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self.service.stop(timeout)
-        if self.allocator is not None:
-            await self.allocator.leave()
+            await cancel_and_wait(self._task, "the assignment follower")
+        try:
+            await self.service.stop(timeout)
+        finally:
+            if self.allocator is not None:
+                await self.allocator.leave()
+
+    async def wait_failed(self) -> LoopFailure:
+        """Until a loop of this member failed for good (it then stops by itself)."""
+        await self._failed.wait()
+        assert self.failure is not None
+        return self.failure
+
+    def _fail(self, failure: LoopFailure) -> None:
+        """A loop was given up on: stop this member loudly, so that its shards move."""
+        if self.failure is not None:
+            return
+        self.failure = failure
+        self._failed.set()
+        if self._stopping is None:
+            log.error(
+                "member %s stops: %s; its shards move to other members",
+                self.options.member_id(),
+                failure,
+            )
+            self._stopping = asyncio.create_task(self._stop_failed(), name="member stop")
+
+    async def _stop_failed(self) -> None:
+        try:
+            await self._stop(FAILED_STOP_TIMEOUT)
+        except Exception:  # the loop's failure is what gets reported; this is its aftermath
+            log.exception(
+                "member %s: stopping after its failure failed as well", self.options.member_id()
+            )
 
     async def kill(self) -> None:
         """Stop without committing or leaving (what a crash looks like to the others)."""
@@ -171,6 +233,7 @@ class Member:
         allocator = self.allocator
         assert allocator is not None
         seen: dict[str, tuple[int, int]] = {}  # shard -> (slot, create revision) last applied
+        retry: float | None = None  # seconds until statuses not written are tried again
         while True:
             state = allocator.state
             mine = {a.item: a for a in allocator.my_assignments() if a.item in state.items}
@@ -195,8 +258,13 @@ class Member:
                 if replica is not None:
                     replica.shard.assignment = a
             seen = {item: (a.slot, a.create_revision) for item, a in mine.items()}
-            await self._report(mine)
-            await first_of([allocator.wait_for_change(state.revision), changed.wait()])
+            try:
+                await self._report(mine)
+                retry = None
+            except KeySpaceError as e:
+                log.warning("member %s: cannot report statuses (%s); retrying", allocator.member, e)
+                retry = _REPORT_RETRY
+            await first_of([allocator.wait_for_change(state.revision), changed.wait()], retry)
 
     async def _report(self, mine: dict[str, Assignment]) -> None:
         """Write replicas' statuses where the KeySpace has another."""

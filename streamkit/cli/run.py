@@ -11,6 +11,9 @@ broker acknowledged survive), giving up after a few quick failures in a row.
 
 `serve` is one member process alone, for running an app's shards across
 machines against a shared broker and KeySpace.
+
+A member that stops itself because one of its loops failed (see
+`streamkit.app.member`) ends `run` and `serve` with exit code 1 and a line naming the loop.
 """
 
 from __future__ import annotations
@@ -130,15 +133,20 @@ async def _deploy_when_ready(config: AppConfig, client: BrokerClient, keyspace: 
 _NOT_YET = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
-async def _until_signalled(supervising: asyncio.Task[None] | None = None) -> None:
-    """Until SIGINT or SIGTERM; raises what ended `supervising` (a broker given up on)."""
+async def _until_signalled(supervising: asyncio.Task[None] | None = None,
+                           member: Member | None = None) -> None:
+    """Until SIGINT or SIGTERM; raises what ended `supervising` (a broker given up on), or
+    the failed loop that stopped `member`."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await first_of([stop.wait(), *([supervising] if supervising is not None else [])])
+    await first_of([stop.wait(), *([supervising] if supervising is not None else []),
+                    *([member.wait_failed()] if member is not None else [])])
     if supervising is not None and supervising.done():
         supervising.result()
+    if member is not None and member.failure is not None:
+        raise CliError(f"member {member.options.member_id()} stopped: {member.failure}")
 
 
 def start_bundled_broker(config: AppConfig, port: int, keyspace_url: str) -> Child:
@@ -225,12 +233,12 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
             await _deploy_when_ready(config, client, ks, broker)
             await _wait_for_members(config, ks, workers_)
             async with _member(config, app_class, client, ks, suffix="worker-0",
-                               broker_file_root=file_root, stop_timeout=stop_timeout):
+                               broker_file_root=file_root, stop_timeout=stop_timeout) as member:
                 view = StatusView(config, ks, live=status,
                                   notice=bundled.state if bundled is not None else None)
                 viewing = asyncio.create_task(view.run())
                 try:
-                    await _until_signalled(supervising)
+                    await _until_signalled(supervising, member)
                 finally:
                     viewing.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
@@ -285,5 +293,5 @@ async def serve(app_dir: Path, broker: str, keyspace: str | None, shards: int | 
             keyspace_url_of(config, keyspace)) as ks:
         await check_layout(config, ks)
         async with _member(config, app_class, client, ks, suffix=suffix,
-                           broker_file_root=file_root):
-            await _until_signalled()
+                           broker_file_root=file_root) as member:
+            await _until_signalled(member=member)
