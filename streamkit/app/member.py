@@ -41,6 +41,7 @@ from streamkit.app.service import Service
 from streamkit.app.store_kinds import build_store
 from streamkit.app.supervise import LoopFailure, supervised
 from streamkit.app.waits import first_of
+from streamkit.app.watchdog import Watchdog
 from streamkit.client import BrokerClient
 from streamkit.keyspace.keyspace import KeySpace, KeySpaceError
 from streamkit.protocol import consumer_pb, pb
@@ -88,6 +89,7 @@ class MemberOptions:
     file_root: Path | None = None  # the broker's file store, read directly when local
     lease_ttl: float = 1.0
     hint_interval: float = 60.0
+    hook_timeout: float | None = None  # seconds a hook may run before it's logged (watchdog)
 
     def member_id(self) -> MemberId:
         return MemberId(self.zone, self.suffix or f"{socket.gethostname()}-{os.getpid()}")
@@ -123,6 +125,7 @@ class Member:
             file_root=options.file_root,
             hint_interval=options.hint_interval,
             is_primary_here=self._is_primary_here if options.allocate else None,
+            watchdog=Watchdog(options.hook_timeout),
         )
         self.service = Service(self.runtime)
         self.allocator: Allocator | None = None

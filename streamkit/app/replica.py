@@ -27,6 +27,7 @@ from streamkit.app.publishing import ShardPublisher
 from streamkit.app.shard import Shard, StoreFactory
 from streamkit.app.sources import SourceInput
 from streamkit.app.txn import TransactionFailed, TransactionLoop, reappend_ack_intents
+from streamkit.app.watchdog import HookRecord, Watchdog
 from streamkit.client import BrokerClient, RegisterMismatch
 from streamkit.keyspace.keyspace import KeySpace
 from streamkit.message.mapping import MappingFunc
@@ -67,6 +68,8 @@ class Runtime:
     # Whether this process should (still) be a shard's primary: asked before a fenced
     # primary recovers again. None: always (no allocator, every shard is primary here).
     is_primary_here: Callable[[str], bool] | None = None
+    # Logs application hooks that run too long, and ends a process stuck in one.
+    watchdog: Watchdog = field(default_factory=Watchdog)
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -94,6 +97,7 @@ class Replica:
         self.loop: TransactionLoop | None = None
         self._playback: Playback | None = None
         self._fs: RecordedFS | None = None
+        self._hooks: HookRecord | None = None  # watched while primary
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
 
@@ -158,9 +162,10 @@ class Replica:
             raise QueryError(f"shard {self.id} is not serving here")
         async with loop.lock:
             await loop.wait_committed()  # answers reflect committed state only
-            answer = self.app.query(self.shard, store, request)
-            if asyncio.iscoroutine(answer):
-                answer = await answer
+            with loop.hooks.call("query", asyncio.iscoroutinefunction(self.app.query)):
+                answer = self.app.query(self.shard, store, request)
+                if asyncio.iscoroutine(answer):
+                    answer = await answer
             return answer
 
     # --- internals ----------------------------------------------------------------
@@ -280,7 +285,9 @@ class Replica:
         if shard.recovery_log:
             self._set_status(Code.BACKFILL)
             fs = self._fs = await self._take_over()
-        store = self.store = self.app.new_store(shard, fs)
+        hooks = self._hooks = runtime.watchdog.watch(shard.id)
+        with hooks.call("new_store", False):
+            store = self.store = self.app.new_store(shard, fs)
         cp = await store.restore_checkpoint(shard.id)
         if fs is not None and runtime.keyspace is not None:
             await push_backup_hints(runtime.keyspace, shard.spec, await fs.recorder.build_hints())
@@ -305,7 +312,7 @@ class Replica:
             replay=lambda journal, begin, end: app.replay_range(shard, store, journal, begin, end),
         )
         publisher = ShardPublisher(Publisher(shard.appends), shard.output)
-        self.loop = TransactionLoop(shard, self.app, store, publisher, source)
+        self.loop = TransactionLoop(shard, self.app, store, publisher, source, hooks)
         self._set_status(Code.PRIMARY)
         log.info(
             "shard %s: primary, reading %s",
@@ -338,6 +345,9 @@ class Replica:
 
     async def _release(self) -> None:
         """Close what the replica holds; its working directory is disposable."""
+        if self._hooks is not None:
+            self.runtime.watchdog.unwatch(self._hooks)
+            self._hooks = None
         if self._playback is not None:
             await self._playback.cancel()
             self._playback = None

@@ -60,6 +60,7 @@ from streamkit.app.publishing import ShardPublisher
 from streamkit.app.shard import Shard
 from streamkit.app.sources import BadFrame, SourceInput
 from streamkit.app.waits import first_of
+from streamkit.app.watchdog import HookRecord
 from streamkit.client.append_service import OpFuture
 from streamkit.message.framings.json_lines import CONTENT_TYPE as NDJSON
 from streamkit.message.framings.json_lines import JsonLinesFraming
@@ -170,8 +171,11 @@ class TransactionLoop:
         store: Store,
         publisher: ShardPublisher,
         source: SourceInput,
+        hooks: HookRecord | None = None,
     ) -> None:
         self.shard, self.app, self.store = shard, app, store
+        # Where the hook running now is marked, for the Replica's Watchdog.
+        self.hooks = hooks if hooks is not None else HookRecord(shard.id)
         self.publisher, self.source = publisher, source
         spec = shard.spec
         self.max_duration = spec.max_txn_duration.ToTimedelta().total_seconds() or 1.0
@@ -179,12 +183,13 @@ class TransactionLoop:
         self.wait_for_ack = not spec.disable_wait_for_ack
         self.metrics = SHARD_METRICS.labels_for(shard.id)
         self._async_consume = inspect.iscoroutinefunction(app.consume_message)
+        self.hooks.consume_async = self._async_consume
         self.policies = PoisonPolicies(spec)
         dead_letters = self.policies.dead_letters
         self._to_dead_letters = lambda _message: (dead_letters, NDJSON)
-        self._begin = awaitable_hook(app.begin_txn)
-        self._finalize = awaitable_hook(app.finalize_txn)
-        self._finished = awaitable_hook(app.finished_txn)
+        self._begin = self._marked("begin_txn")
+        self._finalize = self._marked("finalize_txn")
+        self._finished = self._marked("finished_txn")
         self._previous: asyncio.Task[None] | None = None
         self.last_commit: float | None = None  # wall time the last transaction was acknowledged
         # Held from a transaction's first message until its commit started: queries take it
@@ -199,6 +204,7 @@ class TransactionLoop:
         A failure is raised as TransactionFailed naming the transaction (its
         cause is the original error).
         """
+        self.hooks.task = asyncio.current_task()
         try:
             while True:
                 first = await self._first_message(stopping)
@@ -215,6 +221,17 @@ class TransactionLoop:
             previous = self._previous
             if previous is not None and not previous.done():
                 await asyncio.wait((previous,))
+
+    def _marked(self, hook: str) -> Callable[..., Awaitable[Any]]:
+        """The app's `hook`, awaitable, marked in `hooks` while it runs (for the watchdog)."""
+        fn = getattr(self.app, hook)
+        call, is_async, hooks = awaitable_hook(fn), inspect.iscoroutinefunction(fn), self.hooks
+
+        async def marked(*args: Any) -> Any:
+            with hooks.call(hook, is_async):
+                return await call(*args)
+
+        return marked
 
     async def wait_committed(self) -> None:
         """Until the last started commit is durable and acknowledged (raises if it failed)."""
@@ -253,10 +270,12 @@ class TransactionLoop:
         publisher.publisher.clock.update()
         consume = self.app.consume_message
         poll = source.poll
+        hooks = self.hooks
         count = skipped = 0
         while True:
             if env is not None:
                 count += 1
+                hooks.current = env  # the watchdog's mark: consuming this message
                 try:
                     if type(env.message) is BadFrame:
                         raise env.message.error
@@ -268,6 +287,8 @@ class TransactionLoop:
                     if not self._pass_over(env, error):
                         raise
                     skipped += 1
+                finally:
+                    hooks.current = None
                 if count % _CHECK_EVERY == 0:
                     now = loop.time()
                     if count % _YIELD_EVERY == 0 or now - self._yielded > _YIELD_AFTER:

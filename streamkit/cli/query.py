@@ -21,18 +21,26 @@ from streamkit.keyspace import open_keyspace
 __all__ = ["query"]
 
 
-def _ask(primary: Primary, request: dict[str, Any]) -> Any:
+def _ask(primary: Primary, request: dict[str, Any], timeout: float) -> Any:
+    """The shard's answer; a CliError if it gave none within `timeout` seconds (a member
+    whose query hook, or any other hook, blocks it answers nothing)."""
     url = f"{primary.http_url}/query/{primary.shard}"
     body = json.dumps(request).encode()
     req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=30) as response:
+        with urllib.request.urlopen(req, timeout=timeout) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as err:
         detail = err.read().decode(errors="replace").strip()
         raise CliError(f"shard {primary.shard}: {detail or err.reason}",
                        DATA_ERROR if err.code == 400 else 1) from None
+    except TimeoutError:
+        raise CliError(f"shard {primary.shard}: no answer from {url} within {timeout:g}s "
+                       "(is a hook of the app stuck? see the member's log)") from None
     except OSError as err:
+        if isinstance(getattr(err, "reason", None), TimeoutError):  # timed out connecting
+            raise CliError(f"shard {primary.shard}: cannot reach {url} within "
+                           f"{timeout:g}s") from None
         raise CliError(f"shard {primary.shard}: cannot reach {url}: {err}") from None
 
 
@@ -43,15 +51,18 @@ def _ask(primary: Primary, request: dict[str, Any]) -> Any:
 @click.option("--shard", default=None, help="Ask only this shard.")
 @click.option("--keyspace", default=None,
               help="KeySpace (default: APP_DIR/.streamkit/keyspace.db).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, metavar="SECONDS",
+              help="How long to wait for each shard's answer.")
 @async_command()
 async def query(app_dir: Path, request: str, key: str | None, shard: str | None,
-                keyspace: str | None) -> None:
+                keyspace: str | None, timeout: float) -> None:
     """Send REQUEST (a JSON object) to APP_DIR's shards and print the answer.
 
     Without --key or --shard every shard of the app as deployed is asked,
     and the application's `combine_answers` merges their answers. Shards that
-    did not answer are named, and the command then exits with code 1 (the
-    answer printed combines the others' only).
+    did not answer (within --timeout) are named, and the command then exits
+    with code 1 (the answer printed combines the others' only).
     """
     try:
         parsed = json.loads(request)
@@ -76,7 +87,7 @@ async def query(app_dir: Path, request: str, key: str | None, shard: str | None,
                            f"{config.shard_ids()[-1]})", DATA_ERROR)
         wanted = [shard] if shard is not None else config.shard_ids()
         asked = [s for s in wanted if s in primaries]
-        results = await asyncio.gather(*(asyncio.to_thread(_ask, primaries[s], parsed)
+        results = await asyncio.gather(*(asyncio.to_thread(_ask, primaries[s], parsed, timeout)
                                          for s in asked), return_exceptions=True)
     by_shard: dict[str, Any] = {}
     failures = {s: "no primary is serving it" for s in wanted if s not in primaries}

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -36,6 +37,7 @@ from streamkit.app.member import Member, MemberOptions, deploy
 from streamkit.app.replica import STOP_TIMEOUT
 from streamkit.app.store_kinds import STORE_KINDS
 from streamkit.app.waits import first_of
+from streamkit.app.watchdog import Stuck
 from streamkit.cli.children import Child, Supervisor, port_in_use, start_child
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command
 from streamkit.cli.logs import configure_logging
@@ -54,6 +56,9 @@ DEFAULT_BROKER_PORT = 8080
 # again by the next run.
 _QUICK_STOP = 1.0
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# Seconds a stop waits on a plain hook that blocks the event loop (nothing can commit
+# meanwhile) before the process exits without committing; a second Ctrl-C exits at once.
+STUCK_GRACE = 5.0
 
 
 def app_config(app_dir: Path, shards: int | None, standbys: int | None,
@@ -133,14 +138,41 @@ async def _deploy_when_ready(config: AppConfig, client: BrokerClient, keyspace: 
 _NOT_YET = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+def _exit_stuck(stuck: list[Stuck], children: Callable[[], list[Child]] = list) -> None:
+    """Say which hooks a stop could not wait for, and exit without committing them (their
+    shards' next primaries do those transactions again). From the watchdog's thread."""
+    for s in stuck:
+        sys.stderr.write(f"stopping: shard {s.shard} is stuck in {s.hook} since {s.elapsed:.1f}s; "
+                         f"exiting without committing it. It is at:\n{s.stack}\n")
+    sys.stderr.flush()
+    for child in children():  # workers and the bundled broker stop by themselves
+        with contextlib.suppress(OSError):
+            child.proc.send_signal(signal.SIGTERM)
+    os._exit(1)
+
+
 async def _until_signalled(supervising: asyncio.Task[None] | None = None,
-                           member: Member | None = None) -> None:
+                           member: Member | None = None,
+                           children: Callable[[], list[Child]] = list) -> None:
     """Until SIGINT or SIGTERM; raises what ended `supervising` (a broker given up on), or
-    the failed loop that stopped `member`."""
+    the failed loop that stopped `member`.
+
+    The signal also reaches `member`'s watchdog through a plain signal handler, which runs
+    even while a hook blocks the event loop (the loop's own handlers can't): a hook still
+    stuck STUCK_GRACE seconds later (an async one: after the shards' stop timeout too), or at
+    a second signal, ends the process, naming it (`_exit_stuck`)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if member is not None:
+        watchdog = member.runtime.watchdog
+        watchdog.arm_exit(lambda stuck: _exit_stuck(stuck, children), STUCK_GRACE,
+                          STOP_TIMEOUT + STUCK_GRACE)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            # Replaces asyncio's no-op Python-level handler; the loop still gets the signal
+            # through its wakeup fd.
+            signal.signal(sig, lambda _sig, _frame: watchdog.stop_requested())
     await first_of([stop.wait(), *([supervising] if supervising is not None else []),
                     *([member.wait_failed()] if member is not None else [])])
     if supervising is not None and supervising.done():
@@ -238,7 +270,9 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
                                   notice=bundled.state if bundled is not None else None)
                 viewing = asyncio.create_task(view.run())
                 try:
-                    await _until_signalled(supervising, member)
+                    await _until_signalled(
+                        supervising, member,
+                        lambda: [*workers_, *([bundled.child] if bundled is not None else [])])
                 finally:
                     viewing.cancel()
                     with contextlib.suppress(asyncio.CancelledError):

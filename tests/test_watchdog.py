@@ -1,0 +1,201 @@
+"""A hook that blocks or never returns is named (shard, hook, stack), and never makes its
+process unstoppable or its queries hang.
+
+In-process tests lower the watchdog's limit on a real AppHarness; the end-to-end ones run
+`streamkit run` of a wordcount variant whose hook blocks forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from streamkit.testing import AppHarness
+from tests.brokerproc import BrokerProcess
+from tests.e2e import AppView, Feeder, cli, copy_wordcount, eventually, run_app
+from tests.test_run_e2e import _app_variant, _check_exact
+
+SOURCE = "wordcount/lines"
+
+BLOCKING_FINALIZE = """
+import threading
+
+
+class BlockingFinalize(WordCount):
+    released = threading.Event()
+
+    def finalize_txn(self, shard, store, publisher) -> None:
+        self.released.wait(60)  # blocks the event loop, as a sync call to a dead server does
+        self.counts.clear()
+"""
+
+NEVER_CONSUMING = """
+class NeverConsuming(WordCount):
+    def __init__(self) -> None:
+        super().__init__()
+        self.released = asyncio.Event()
+
+    async def consume_message(self, shard, store, envelope, publisher) -> None:
+        await self.released.wait()  # an await that never returns
+        super().consume_message(shard, store, envelope, publisher)
+"""
+
+# Blocks forever, once it left a file saying so (the test waits for that file).
+STUCK_FINALIZE = """
+import pathlib
+import time
+
+
+class StuckFinalize(WordCount):
+    def finalize_txn(self, shard, store, publisher) -> None:
+        (pathlib.Path(__file__).parent / "stuck").touch()
+        time.sleep(10**9)
+"""
+
+STUCK_QUERY = """
+import time
+
+
+class StuckQuery(WordCount):
+    def query(self, shard, store, request):
+        time.sleep(10**9)
+"""
+
+
+class _Warnings(logging.Handler):
+    """Collects the watchdog's warnings, and calls `then` (from its thread) at the first."""
+
+    def __init__(self, then: Callable[[], None]) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+        self.then = then
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        if len(self.records) == 1:
+            self.then()
+
+
+@pytest.fixture
+def warnings() -> Iterator[Callable[[Callable[[], None]], _Warnings]]:
+    handlers: list[_Warnings] = []
+    logger = logging.getLogger("streamkit.app.watchdog")
+
+    def install(then: Callable[[], None]) -> _Warnings:
+        handlers.append(_Warnings(then))
+        logger.addHandler(handlers[-1])
+        return handlers[-1]
+
+    yield install
+    for handler in handlers:
+        logger.removeHandler(handler)
+
+
+def _variant(tmp_path: Path, name: str, source: str) -> Path:
+    app = copy_wordcount(tmp_path / "wordcount", shards=1)
+    _app_variant(app, name, source)
+    return app
+
+
+def _assert_one_warning(seen: _Warnings, hook: str, app: Path) -> None:
+    assert len(seen.records) == 1, [r.getMessage() for r in seen.records]
+    text = seen.records[0].getMessage()
+    assert "shard shard-000" in text and hook in text, text
+    assert f'File "{app / "app.py"}"' in text, text  # the stack reaches into the app's code
+
+
+async def test_sync_hook_past_the_limit_is_named_with_its_stack(
+        tmp_path: Path, warnings: Callable[[Callable[[], None]], _Warnings]) -> None:
+    """A plain finalize_txn blocking the event loop: the watchdog's thread still logs it,
+    once, with the shard, the hook and the app's line it is blocked on."""
+    app = _variant(tmp_path, "BlockingFinalize", BLOCKING_FINALIZE)
+    async with AppHarness(app) as h:
+        h.member.runtime.watchdog.limit = 0.3  # type: ignore[union-attr]
+        released = type(h.app("shard-000")).released  # type: ignore[attr-defined]
+        seen = warnings(released.set)
+        await h.publish(SOURCE, [{"id": 1, "line": "a b"}])
+        await h.wait_idle()
+    _assert_one_warning(seen, "finalize_txn", app)
+    assert "self.released.wait(60)" in seen.records[0].getMessage()
+
+
+async def test_async_hook_that_never_returns_is_named_with_its_stack(
+        tmp_path: Path, warnings: Callable[[Callable[[], None]], _Warnings]) -> None:
+    """An async consume_message awaiting forever: the task's coroutine chain is logged."""
+    app = _variant(tmp_path, "NeverConsuming", NEVER_CONSUMING)
+    async with AppHarness(app) as h:
+        h.member.runtime.watchdog.limit = 0.3  # type: ignore[union-attr]
+        released: asyncio.Event = h.app("shard-000").released  # type: ignore[attr-defined]
+        loop = asyncio.get_running_loop()
+        seen = warnings(lambda: loop.call_soon_threadsafe(released.set))
+        await h.publish(SOURCE, [{"id": 1, "line": "a b"}])
+        await h.wait_idle()
+        assert await h.query({"word": "a"}, shard="shard-000") == 1
+    _assert_one_warning(seen, "consume_message", app)
+    assert "await self.released.wait()" in seen.records[0].getMessage()
+
+
+def _exit_code(run: object, timeout: float = 60.0) -> int:
+    """SIGINT, and the exit code (a generous bound: the watchdog's grace is 5s)."""
+    return run.signal(signal.SIGINT, timeout=timeout)  # type: ignore[attr-defined, no-any-return]
+
+
+async def test_ctrl_c_ends_a_run_stuck_in_a_hook_and_nothing_is_lost(
+        broker_proc: BrokerProcess, tmp_path: Path) -> None:
+    """`streamkit run` whose finalize_txn blocks forever: Ctrl-C still ends it, naming the
+    hook, and the next run (a healthy app) counts every line exactly once."""
+    app = copy_wordcount(tmp_path / "wordcount", shards=2)
+    healthy = (app / "app.py").read_text(), (app / "streamkit.yaml").read_text()
+    _app_variant(app, "StuckFinalize", STUCK_FINALIZE)
+    address = broker_proc.address
+    run = run_app(app, address, tmp_path / "run-1.log")
+    try:
+        async with AppView(app, address) as view:
+            await view.wait_serving(timeout=60)
+            ids = Feeder(app, address, tmp_path / "feed.log", count=200, interval=0
+                         ).start().finish()
+            await eventually(lambda: (app / "stuck").exists(), 60, "a stuck finalize_txn")
+            code = await asyncio.to_thread(_exit_code, run)
+            assert code == 1, run.log()
+            assert "is stuck in finalize_txn since" in run.text(), run.log()
+            assert "exiting without committing it" in run.text(), run.log()
+            assert "time.sleep(10**9)" in run.text(), run.log()  # its stack
+
+            (app / "app.py").write_text(healthy[0])
+            (app / "streamkit.yaml").write_text(healthy[1])
+            run = run_app(app, address, tmp_path / "run-2.log")
+            await _check_exact(view, ids)
+    finally:
+        run.stop()
+
+
+async def test_query_timeout_names_the_shard_that_does_not_answer(
+        broker_proc: BrokerProcess, tmp_path: Path) -> None:
+    """`streamkit query --timeout 1` to a member whose query hook blocks: that shard is
+    reported as not answering, exit 1, and the command ends soon after the timeout."""
+    app = _variant(tmp_path, "StuckQuery", STUCK_QUERY)
+    address = broker_proc.address
+    run = run_app(app, address, tmp_path / "run.log")
+    try:
+        async with AppView(app, address) as view:
+            await view.wait_serving(timeout=60)
+        done: list[subprocess.CompletedProcess[str]] = []
+        asked = threading.Thread(target=lambda: done.append(
+            cli("query", str(app), '{"word": "w1"}', "--timeout", "1", timeout=60)))
+        asked.start()
+        await eventually(lambda: done, 30, "streamkit query to end")
+        result = done[0]
+        assert result.returncode == 1, result.stderr
+        assert "shard-000" in result.stderr and "within 1s" in result.stderr, result.stderr
+        code = await asyncio.to_thread(_exit_code, run)
+        assert code == 1, run.log()
+        assert "is stuck in query since" in run.text(), run.log()
+    finally:
+        run.stop()
