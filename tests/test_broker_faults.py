@@ -77,12 +77,7 @@ def test_a_full_disk_fails_the_append_and_acknowledges_nothing_partial(tmp_path:
         assert wire.append(journals, "disk/other", b"fine").commit.end == 4
         # Room again (the spool rolls to a new file once fragments may be 1 MiB): the same
         # journal takes appends at the offset where it stopped.
-        upsert = wire.spec("disk/full", length=MIB)
-        listed = journals.List(pb.ListRequest(selector=pb.LabelSelector(
-            include=pb.LabelSet(labels=[pb.Label(name="name", value="disk/full")]))))
-        revision = next(iter(listed)).journals[0].mod_revision
-        journals.Apply(pb.ApplyRequest(changes=[
-            pb.ApplyRequest.Change(expect_mod_revision=revision, upsert=upsert)]))
+        wire.update(journals, wire.spec("disk/full", length=MIB))
         again = wire.append(journals, "disk/full", b"after")
         assert (again.commit.begin, again.commit.end) == (6 * MIB, 6 * MIB + 5)
         acked.append(b"after")
@@ -177,10 +172,7 @@ def test_an_unopenable_spec_affects_its_journal_only(tmp_path: Path) -> None:
         code, text = put(broker, "open/bad", b"x")
         assert code == 503 and "journal open/bad: cannot be served" in text
         # Apply fixes it (or deletes it); the journal is served at once.
-        listed = next(iter(journals.List(pb.ListRequest())))
-        bad = next(j for j in listed.journals if j.spec.name == "open/bad")
-        journals.Apply(pb.ApplyRequest(changes=[pb.ApplyRequest.Change(
-            expect_mod_revision=bad.mod_revision, upsert=wire.spec("open/bad"))]))
+        wire.update(journals, wire.spec("open/bad"))
         assert wire.append(journals, "open/bad", b"fixed").commit.end == 5
     finally:
         broker.kill()

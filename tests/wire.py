@@ -40,6 +40,17 @@ def create(journals: pb_grpc.JournalStub, *specs: pb.JournalSpec) -> pb.ApplyRes
     return response
 
 
+def update(journals: pb_grpc.JournalStub, spec: pb.JournalSpec) -> pb.ApplyResponse:
+    """Replace an existing journal's spec (at its current revision)."""
+    selector = pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="name",
+                                                                      value=spec.name)]))
+    (listed,) = next(iter(journals.List(pb.ListRequest(selector=selector)))).journals
+    change = pb.ApplyRequest.Change(expect_mod_revision=listed.mod_revision, upsert=spec)
+    response = journals.Apply(pb.ApplyRequest(changes=[change]))
+    assert response.status == pb.OK, pb.Status.Name(response.status)
+    return response
+
+
 def append_requests(first: pb.AppendRequest, chunks: Iterable[bytes],
                     commit: bool = True) -> Iterator[pb.AppendRequest]:
     yield first

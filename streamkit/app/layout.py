@@ -99,7 +99,7 @@ async def write_layout(keyspace: KeySpace, root: str, layout: Layout) -> None:
     await keyspace.put(layout_key(root), layout.to_json())
 
 
-def _count_error(config: AppConfig, deployed: int, message: str) -> LayoutError:
+def _count_error(config: AppConfig, message: str) -> LayoutError:
     return LayoutError([Problem(message, "shards", source=config.config_file)])
 
 
@@ -112,14 +112,12 @@ async def check_layout(config: AppConfig, keyspace: KeySpace) -> Layout | None:
     if layout.resharding:
         raise _count_error(
             config,
-            layout.shards,
             f"resharding app {config.name} to {layout.shards} shards did not finish: run "
             f"`streamkit backfill {app} --spark --shards {layout.shards}` again to complete it",
         )
     if layout.shards != config.shards:
         raise _count_error(
             config,
-            layout.shards,
             f"app {config.name} is deployed with {layout.shards} shards, not {config.shards}: "
             f"another count would route keys away from the shards holding their state. Run "
             f"with --shards {layout.shards} (or set shards: {layout.shards}); to change the "

@@ -397,13 +397,9 @@ async def _make_rekeyed_plan(
     """Every shard reads every partition its source topics ever had (see ShardPlan)."""
     current = sorted({source.journal for spec in specs for source in spec.sources})
     existing = {j.spec.name for j in await list_journals(client)}
-    past = {journal for epoch in epochs for journal in epoch}
     # Partitions of the present layout are read to their write heads; those only an
     # earlier layout had (retired, read-only) to where that layout ended.
-    heads = {j: await write_head(client, j) for j in current if j in existing and j not in past}
-    for journal in current:
-        if journal in past and journal in existing:
-            heads[journal] = max(epochs[-1].get(journal, 0), await write_head(client, journal))
+    heads = {j: await write_head(client, j) for j in current if j in existing}
     ends, rekey = _rekeyed_sources(config, epochs, heads)
     content_types = {journal: await _content_type(client, journal) for journal in ends}
     root = fragment_root.resolve() if fragment_root is not None else None
