@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import socket
+
 import grpc
 import pytest
 
-from streamkit.client.errors import is_transient
+from streamkit.client import Appender, BrokerClient, Reader
+from streamkit.client.errors import (
+    BrokerUnavailable,
+    TransportError,
+    is_transient,
+    translating_rpc_errors,
+)
+from streamkit.client.listing import apply_journals, list_fragments, list_journals
+from streamkit.errors import StreamkitError
+from streamkit.protocol import pb
 
 
 def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -23,3 +34,45 @@ def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 ])
 def test_is_transient(code: grpc.StatusCode, details: str, transient: bool) -> None:
     assert is_transient(_rpc_error(code, details)) is transient
+
+
+@pytest.mark.parametrize(("code", "details", "transient"), [
+    (grpc.StatusCode.UNAVAILABLE, "failed to connect", True),
+    (grpc.StatusCode.INVALID_ARGUMENT, "journal: bad name", False),
+])
+def test_rpc_failures_keep_their_cause_and_transience(
+    code: grpc.StatusCode, details: str, transient: bool
+) -> None:
+    with pytest.raises(TransportError) as caught:
+        with translating_rpc_errors("list journals"):
+            raise _rpc_error(code, details)
+    error = caught.value
+    assert isinstance(error, StreamkitError)
+    assert isinstance(error, BrokerUnavailable) is transient
+    assert is_transient(error) is transient
+    assert isinstance(error.__cause__, grpc.aio.AioRpcError)
+    assert (error.code, error.details) == (code.name, details)
+    assert str(error) == f"list journals: {code.name}: {details}"
+
+
+async def test_an_unreachable_broker_raises_broker_unavailable() -> None:
+    """Every public call wraps gRPC's error: callers catch streamkit's types only."""
+    with socket.socket() as sock:  # a port nobody listens on (bound, never listening)
+        sock.bind(("127.0.0.1", 0))
+        client = BrokerClient(f"127.0.0.1:{sock.getsockname()[1]}")
+        try:
+            with pytest.raises(BrokerUnavailable, match="list journals: UNAVAILABLE"):
+                await list_journals(client)
+            with pytest.raises(BrokerUnavailable, match="apply 0 journal change"):
+                await apply_journals(client, [])
+            with pytest.raises(BrokerUnavailable, match="list fragments of a/b"):
+                await list_fragments(client, "a/b")
+            reader = Reader(client, pb.ReadRequest(journal="a/b", offset=7))
+            with pytest.raises(BrokerUnavailable, match="read a/b at offset 7"):
+                await reader.read()
+            appender = Appender(client, "a/b")
+            with pytest.raises(BrokerUnavailable, match="append to a/b"):
+                await appender.write(b"x\n")
+                await appender.commit()
+        finally:
+            await client.close()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from streamkit.broker.stores import FileStore, FragmentStore, StoreError, open_store
+from streamkit.broker.stores import FileStore, FragmentStore, FragmentStoreError, open_store
 from streamkit.broker.stores.file import TEMP_PREFIX
 from streamkit.broker.stores.s3 import S3Store
 from streamkit.protocol import pb
@@ -204,16 +204,16 @@ def test_file_store_at_the_root(tmp_path: Path) -> None:
     ],
 )
 def test_file_store_refuses_bad_urls(url: str, tmp_path: Path) -> None:
-    with pytest.raises(StoreError):
+    with pytest.raises(FragmentStoreError):
         open_store(url, tmp_path)
 
 
 async def test_file_store_refuses_escaping_journal_names(tmp_path: Path) -> None:
     store = open_store("file:///", tmp_path)
-    with pytest.raises(StoreError):
+    with pytest.raises(FragmentStoreError):
         await store.list("../../etc")
     f, path = _compressed(tmp_path, b"x", journal="a/../../escape")
-    with pytest.raises(StoreError):
+    with pytest.raises(FragmentStoreError):
         await store.put(f, path)
 
 
@@ -231,7 +231,7 @@ async def test_failed_put_leaves_nothing_behind(tmp_path: Path) -> None:
     store = open_store("file:///", tmp_path / "root")
     f, path = _compressed(tmp_path, b"x")
     path.unlink()
-    with pytest.raises(StoreError):
+    with pytest.raises(FragmentStoreError):
         await store.put(f, path)
     assert not await store.exists(f)
     assert list((tmp_path / "root" / JOURNAL).iterdir()) == []
@@ -240,7 +240,7 @@ async def test_failed_put_leaves_nothing_behind(tmp_path: Path) -> None:
 async def test_file_open_of_missing_fragment(tmp_path: Path) -> None:
     store = open_store("file:///", tmp_path)
     f, _ = _compressed(tmp_path, b"x")
-    with pytest.raises(StoreError):
+    with pytest.raises(FragmentStoreError):
         store.open(f)
 
 
@@ -265,7 +265,7 @@ def test_open_store_caches_instances(tmp_path: Path, monkeypatch: pytest.MonkeyP
     ],
 )
 def test_open_store_refuses_other_schemes(url: str, message: str, tmp_path: Path) -> None:
-    with pytest.raises(StoreError, match=message):
+    with pytest.raises(FragmentStoreError, match=message):
         open_store(url, tmp_path)
 
 
@@ -315,7 +315,7 @@ async def test_s3_list_follows_pages(s3_url: str, tmp_path: Path) -> None:
 
 async def test_s3_errors_are_store_errors(s3_endpoint: str, aws_env: None, tmp_path: Path) -> None:
     store = open_store(f"s3://no-such-bucket/?endpoint={s3_endpoint}", tmp_path)
-    with pytest.raises(StoreError, match="no-such-bucket"):
+    with pytest.raises(FragmentStoreError, match="no-such-bucket"):
         await store.list(JOURNAL)
 
 
@@ -328,7 +328,7 @@ async def test_s3_errors_are_store_errors(s3_endpoint: str, aws_env: None, tmp_p
     ],
 )
 def test_s3_refuses_bad_urls(query: str, message: str, aws_env: None, tmp_path: Path) -> None:
-    with pytest.raises(StoreError, match=message):
+    with pytest.raises(FragmentStoreError, match=message):
         open_store(f"s3://{BUCKET}/prefix/{query}", tmp_path)
 
 

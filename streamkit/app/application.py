@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from streamkit.errors import StreamkitError
+
 if TYPE_CHECKING:
     from streamkit.app.producer import EnvelopeReader
     from streamkit.app.publishing import ShardPublisher
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["Application", "QueryError"]
 
 
-class QueryError(Exception):
+class QueryError(StreamkitError):
     """A query the application can't answer (bad request, unknown key...): told to the caller."""
 
 

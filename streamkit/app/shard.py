@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from streamkit.client import BrokerClient
 from streamkit.client.append_service import AppendService
+from streamkit.errors import StreamkitError
 from streamkit.message.mapping import MappingFunc
 from streamkit.protocol import consumer_pb
 from streamkit.protocol import recoverylog_pb2 as rpb
@@ -25,7 +26,7 @@ __all__ = ["Progress", "Shard", "ShardFailed"]
 StoreFactory = Callable[["Shard", "RecordedFS | None", Any], "Store"]
 
 
-class ShardFailed(Exception):
+class ShardFailed(StreamkitError):
     """The shard stopped on an error of its application, input or store."""
 
     def __init__(self, shard: str, reason: str) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from streamkit.errors import StreamkitError
+
 __all__ = ["BackfillError"]
 
 
-class BackfillError(Exception):
+class BackfillError(StreamkitError):
     """A backfill can't be planned or run: the message says what to fix.
 
     Raised in Spark tasks too; the driver finds it (by its class name) in the

@@ -13,6 +13,8 @@ import errno
 
 import grpc
 
+from streamkit.errors import StreamkitError
+
 __all__ = [
     "ContentLost",
     "JournalFault",
@@ -26,7 +28,7 @@ __all__ = [
 _NO_SPACE = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 
 
-class JournalFault(Exception):
+class JournalFault(StreamkitError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
     http_status = 503
 

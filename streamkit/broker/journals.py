@@ -19,9 +19,11 @@ from pathlib import Path
 from streamkit.broker.faults import JournalUnavailable
 from streamkit.broker.replica import Replica, spool_directory
 from streamkit.broker.spool import Spool
-from streamkit.broker.stores import FragmentStore, StoreError, open_store
+from streamkit.broker.stores import FragmentStore, FragmentStoreError, open_store
+from streamkit.errors import StreamkitError
 from streamkit.keyspace import Compare, Delete, Event, KeySpace, Put
 from streamkit.protocol import pb
+from streamkit.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ class Entry:
     mod_revision: int
 
 
-class ApplyConflict(Exception):
+class ApplyConflict(StreamkitError):
     """An Apply change's expected revision did not match the KeySpace."""
 
 
@@ -89,9 +91,7 @@ class JournalRegistry:
 
     async def stop(self) -> None:
         if self._watch_task:
-            self._watch_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch_task
+            await cancel_and_wait(self._watch_task, "following journal specs")
         await asyncio.gather(*(replica.close() for replica in self._replicas.values()))
         await self.keyspace.close()
 
@@ -129,7 +129,7 @@ class JournalRegistry:
             fault = JournalUnavailable(name, f"cannot be served: {_reason(error)}; fix its spec "
                                              "or delete it (streamkit journals apply)")
             if failed is None or failed[0] != entry.mod_revision:
-                log.error("%s", fault, exc_info=not isinstance(error, OSError | StoreError))
+                log.error("%s", fault, exc_info=not isinstance(error, OSError | FragmentStoreError))
             self._failed[name] = (entry.mod_revision, time.monotonic(), fault)
             raise fault from None
         finally:
@@ -166,7 +166,7 @@ class JournalRegistry:
             for i, url in enumerate(spec.fragment.stores):
                 try:
                     open_store(url, self.file_root)
-                except (StoreError, ValueError) as error:
+                except (FragmentStoreError, ValueError) as error:
                     raise ValueError(f"{where}.fragment.stores[{i}]: {error}") from None
 
     # --- Apply --------------------------------------------------------------

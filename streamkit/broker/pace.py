@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import time
 
+from streamkit.errors import StreamkitError
+
 __all__ = ["DEFAULT_MIN_APPEND_RATE", "AppendPace", "TooSlow"]
 
 DEFAULT_MIN_APPEND_RATE = 64 << 10  # bytes per second, Gazette's default
 ALLOWANCE = 2.0  # seconds any append has beyond what its bytes earned
 
 
-class TooSlow(TimeoutError):
+class TooSlow(StreamkitError, TimeoutError):
     """The appender fell below the minimum rate, or stalled; the append is rolled back."""
 
 

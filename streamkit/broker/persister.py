@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import logging
 import os
 import random
@@ -24,6 +23,7 @@ from streamkit.broker.replica import Replica
 from streamkit.broker.spool import Spool
 from streamkit.protocol import pb
 from streamkit.protocol.codecs import new_compressor
+from streamkit.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +119,7 @@ class Persister:
             if backoff.timer is not None:
                 backoff.timer.cancel()
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task, "a persister worker")
 
     async def _work(self) -> None:
         while True:

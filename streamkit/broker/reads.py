@@ -10,7 +10,7 @@ gap precedes the next fragment the metadata carries the jumped-to offset.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import BinaryIO
@@ -18,10 +18,12 @@ from typing import BinaryIO
 from streamkit.broker import metrics
 from streamkit.broker.faults import ContentLost, storage_fault
 from streamkit.broker.replica import Replica
-from streamkit.broker.stores import FragmentStore, StoreError
+from streamkit.broker.stores import FragmentStore, FragmentStoreError
 from streamkit.protocol import pb
 from streamkit.protocol.codecs import open_decompressed
 from streamkit.protocol.fragments import content_name
+
+log = logging.getLogger(__name__)
 
 CHUNK = 1 << 19  # 512 KiB: few messages per MB, well under gRPC's 4 MiB limit
 URL_TTL = timedelta(minutes=1)
@@ -116,14 +118,14 @@ class ReadStream:
         doing = f"reading fragment {content_name(fragment)} from {store.url}"
         try:
             stream = await asyncio.to_thread(_open_at, store, fragment, self.offset)
-        except (OSError, StoreError) as error:
+        except (OSError, FragmentStoreError) as error:
             raise storage_fault(self.replica.name, doing, error) from error
         try:
             remaining = self._stop(fragment) - self.offset
             while remaining > 0:
                 try:
                     chunk = await asyncio.to_thread(stream.read, min(CHUNK, remaining))
-                except (OSError, StoreError) as error:
+                except (OSError, FragmentStoreError) as error:
                     raise storage_fault(self.replica.name, doing, error) from error
                 if not chunk:
                     raise ContentLost(self.replica.name, f"{doing}: it ended early, at offset "
@@ -131,8 +133,10 @@ class ReadStream:
                 remaining -= len(chunk)
                 yield chunk
         finally:
-            with contextlib.suppress(Exception):
+            try:
                 stream.close()
+            except Exception as error:  # what was read is intact; only the handle leaks
+                log.warning("%s: closing it failed: %s", doing, error)
 
 
 def _open_at(store: FragmentStore, fragment: pb.Fragment, offset: int) -> BinaryIO:

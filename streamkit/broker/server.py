@@ -28,8 +28,10 @@ from streamkit.broker.pace import DEFAULT_MIN_APPEND_RATE
 from streamkit.broker.persister import Persister
 from streamkit.broker.replica import Replica
 from streamkit.broker.service import APPEND_CHUNK_TIMEOUT, Identity, JournalService
+from streamkit.errors import StreamkitError
 from streamkit.keyspace import KeySpaceError, open_keyspace
 from streamkit.protocol import pb_grpc
+from streamkit.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -126,10 +128,10 @@ class Broker:
         try:
             await self._stopping.wait()
         finally:
-            ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ticker
-            await self.stop()
+            try:
+                await cancel_and_wait(ticker, "the broker's ticker")
+            finally:  # even when the caller is cancelled meanwhile: spools must persist
+                await self.stop()
 
     async def stop(self) -> None:
         """Refuse new RPCs, let in-flight ones finish, persist the spools, close."""
@@ -203,7 +205,7 @@ def keep_freed_memory(trim_threshold: int = 256 << 20) -> bool:
     )
 
 
-class StartupFailed(Exception):
+class StartupFailed(StreamkitError):
     """The broker could not start (a port in use, an unusable data dir or KeySpace)."""
 
 

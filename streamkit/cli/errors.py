@@ -25,8 +25,9 @@ from typing import Any, ParamSpec
 import click
 import grpc
 
-from streamkit.broker.stores import StoreError
-from streamkit.client.errors import BrokerError, JournalNotFound
+from streamkit.broker.stores import FragmentStoreError
+from streamkit.client.errors import BrokerError, JournalNotFound, TransportError
+from streamkit.errors import StreamkitError
 from streamkit.protocol.labels import SelectorError
 from streamkit.protocol.spec import SpecError
 
@@ -68,13 +69,13 @@ def _broker_address() -> str:
     return str(ctx.params.get("broker", "")) if ctx is not None else ""
 
 
-def _rpc_error(err: grpc.aio.AioRpcError) -> tuple[list[str], int]:
-    code, details = err.code(), _one_line(err.details() or "")
-    if code == grpc.StatusCode.UNAVAILABLE:
+def _rpc_error(code: str, details: str) -> tuple[list[str], int]:
+    details = _one_line(details)
+    if code == "UNAVAILABLE":
         return [f"cannot reach broker at {_broker_address()}: {details}"], FAILURE
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
+    if code == "INVALID_ARGUMENT":
         return [f"the broker rejected the request: {details}"], DATA_ERROR
-    return [f"broker call failed ({code.name}): {details}"], FAILURE
+    return [f"broker call failed ({code}): {details}"], FAILURE
 
 
 def explain(exc: BaseException) -> tuple[list[str], int]:
@@ -89,10 +90,14 @@ def explain(exc: BaseException) -> tuple[list[str], int]:
         return [f"journal not found ({exc.detail or exc.name})"], FAILURE
     if isinstance(exc, BrokerError):
         return [f"{exc.detail}: the broker answered {exc.name}"], FAILURE
+    if isinstance(exc, TransportError):
+        return _rpc_error(exc.code, exc.details)
     if isinstance(exc, grpc.aio.AioRpcError):
-        return _rpc_error(exc)
-    if isinstance(exc, StoreError):
+        return _rpc_error(exc.code().name, exc.details() or "")
+    if isinstance(exc, FragmentStoreError):
         return [_one_line(str(exc))], FAILURE
+    if isinstance(exc, StreamkitError):  # streamkit refused or failed, and said why
+        return [_one_line(str(exc)) or type(exc).__name__], FAILURE
     if isinstance(exc, OSError) and exc.strerror:
         where = f"{exc.filename}: " if exc.filename else ""
         return [f"{where}{exc.strerror}"], FAILURE

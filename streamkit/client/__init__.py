@@ -5,6 +5,7 @@ from streamkit.client.appender import Appender, append_bytes, write_head
 from streamkit.client.broker_client import BrokerClient
 from streamkit.client.errors import (
     BrokerError,
+    BrokerUnavailable,
     EtcdTransactionFailed,
     FragmentError,
     JournalNotFound,
@@ -13,6 +14,7 @@ from streamkit.client.errors import (
     OffsetNotYetAvailable,
     ProtocolError,
     RegisterMismatch,
+    TransportError,
     WrongAppendOffset,
     is_transient,
 )
@@ -33,6 +35,7 @@ __all__ = [
     "AsyncAppend",
     "BrokerClient",
     "BrokerError",
+    "BrokerUnavailable",
     "EtcdTransactionFailed",
     "FragmentError",
     "FragmentReader",
@@ -47,6 +50,7 @@ __all__ = [
     "RegisterMismatch",
     "RetryReader",
     "ServiceClosed",
+    "TransportError",
     "WrongAppendOffset",
     "append_bytes",
     "apply_journals",

@@ -30,6 +30,7 @@ from streamkit.client.appender import CHUNK_SIZE, append_with_retries
 from streamkit.client.broker_client import BrokerClient
 from streamkit.client.closing import AsyncClosing
 from streamkit.client.errors import describe
+from streamkit.errors import StreamkitError
 from streamkit.protocol import pb
 from streamkit.tasks import cancel_and_wait
 
@@ -43,7 +44,7 @@ _SPARE_FILES = 4  # emptied temporary files kept for reuse
 _YIELD_EVERY = 256 << 10  # bytes `append` buffers before letting other tasks run
 
 
-class ServiceClosed(RuntimeError):
+class ServiceClosed(StreamkitError, RuntimeError):
     """The AppendService was closed before this append could be sent."""
 
 

@@ -26,6 +26,8 @@ from streamkit.client.errors import (
     check_status,
     describe,
     is_transient,
+    rpc_failure,
+    translating_rpc_errors,
 )
 from streamkit.protocol import pb
 
@@ -125,8 +127,10 @@ class Appender:
     async def _write(self, call: grpc.aio.StreamUnaryCall, request: pb.AppendRequest) -> None:
         try:
             await call.write(request)
-        except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
+        except (asyncio.InvalidStateError, grpc.aio.AioRpcError) as err:
             if not call.done():
+                if isinstance(err, grpc.RpcError):
+                    raise rpc_failure(err, f"append to {self.journal}") from err
                 raise
             # The broker answered before taking all content (JOURNAL_NOT_FOUND,
             # say); gRPC then fails the write vaguely, and the answer says why.
@@ -137,7 +141,8 @@ class Appender:
         if self._call is None:
             self._call = self.client.stub_for(self.journal).Append()
             try:
-                await self._call.write(self.request)
+                with translating_rpc_errors(f"append to {self.journal}"):
+                    await self._call.write(self.request)
             except BaseException:
                 self.cancel()
                 raise
@@ -162,7 +167,8 @@ class Appender:
             raise
 
     async def _finish(self, call: grpc.aio.StreamUnaryCall) -> pb.AppendResponse:
-        response = await call
+        with translating_rpc_errors(f"append to {self.journal}"):
+            response = await call
         self.response = response
         self._closed = True
         if response.HasField("header"):

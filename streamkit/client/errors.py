@@ -2,23 +2,31 @@
 
 Brokers report most request problems as a `pb.Status` inside an otherwise
 successful RPC; the client turns every non-OK status into a `BrokerError`
-subclass so callers can catch the ones they expect. Transport failures stay
-`grpc.aio.AioRpcError`s; `is_transient` says whether retrying them is sound.
+subclass so callers can catch the ones they expect. A call that fails without
+the broker's answer (refused, reset, timed out) raises a `TransportError` --
+`BrokerUnavailable` when a retry may overcome it -- with gRPC's own error kept
+as its cause, so that gRPC's types never reach an application's `except`
+clauses. Inside the client, retry loops see gRPC's errors first;
+`is_transient` says whether retrying either kind is sound.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import Iterator
 from typing import ClassVar
 
 import grpc
 
+from streamkit.errors import StreamkitError
 from streamkit.protocol import pb
 
 __all__ = [
     "Backoff",
     "BrokerError",
+    "BrokerUnavailable",
     "EtcdTransactionFailed",
     "FragmentError",
     "JournalNotFound",
@@ -27,15 +35,18 @@ __all__ = [
     "OffsetNotYetAvailable",
     "ProtocolError",
     "RegisterMismatch",
+    "TransportError",
     "WrongAppendOffset",
     "broker_error",
     "check_status",
     "describe",
     "is_transient",
+    "rpc_failure",
+    "translating_rpc_errors",
 ]
 
 
-class BrokerError(Exception):
+class BrokerError(StreamkitError):
     """A broker answered with a non-OK status; `name` is its pb.Status name."""
 
     STATUS: ClassVar[int] = -1
@@ -114,7 +125,7 @@ def check_status(status: int, detail: str) -> None:
         raise broker_error(status, detail)
 
 
-class OffsetJump(Exception):
+class OffsetJump(StreamkitError):
     """The next readable byte is past the requested offset (a span was deleted).
 
     The reader has already moved to `to_offset`; reading again continues there.
@@ -127,11 +138,11 @@ class OffsetJump(Exception):
         super().__init__(f"{journal or 'journal'}: offset jumped from {from_offset} to {to_offset}")
 
 
-class FragmentError(Exception):
+class FragmentError(StreamkitError):
     """A fragment's content does not match the span its name claims."""
 
 
-class ProtocolError(Exception):
+class ProtocolError(StreamkitError):
     """A broker response breaks the protocol (say, content at an unexpected offset)."""
 
 
@@ -152,12 +163,47 @@ _CONNECTION_HINTS = (
 )
 
 
+class TransportError(StreamkitError):
+    """A broker call failed without the broker's answer; `code` names gRPC's status code
+    and the gRPC error is the `__cause__`."""
+
+    def __init__(self, what: str, code: str, details: str) -> None:
+        self.what, self.code, self.details = what, code, details
+        super().__init__(f"{what}: {code}: {details}" if details else f"{what}: {code}")
+
+
+class BrokerUnavailable(TransportError, ConnectionError):
+    """The broker could not be reached, or the connection broke: a retry may succeed."""
+
+
+def rpc_failure(err: grpc.RpcError, what: str) -> TransportError:
+    """The TransportError standing for gRPC's `err` in the call that did `what`."""
+    code = err.code() if callable(getattr(err, "code", None)) else None
+    details = err.details() if callable(getattr(err, "details", None)) else None
+    cls = BrokerUnavailable if _grpc_transient(err) else TransportError
+    name = code.name if code is not None else "UNKNOWN"
+    return cls(what, name, " ".join((details or "").split()))
+
+
+@contextlib.contextmanager
+def translating_rpc_errors(what: str) -> Iterator[None]:
+    """Raise gRPC errors escaping the block as TransportErrors (cause kept)."""
+    try:
+        yield
+    except grpc.RpcError as err:
+        raise rpc_failure(err, what) from err
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether `exc` is a transport or routing failure that a retry may overcome."""
     if isinstance(exc, BrokerError):
         return exc.status in _ROUTING_STATUSES
-    if not isinstance(exc, grpc.RpcError):
-        return False
+    if isinstance(exc, TransportError):
+        return isinstance(exc, BrokerUnavailable)
+    return isinstance(exc, grpc.RpcError) and _grpc_transient(exc)
+
+
+def _grpc_transient(exc: grpc.RpcError) -> bool:
     code = exc.code() if callable(getattr(exc, "code", None)) else None
     if code == grpc.StatusCode.UNAVAILABLE:
         return True
@@ -172,6 +218,8 @@ def describe(exc: BaseException) -> str:
     """A one-line account of `exc` for logs (gRPC errors' reprs span lines)."""
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, TransportError):
+        return str(exc)
     return f"{type(exc).__name__}: {exc}"
 
 

@@ -7,7 +7,6 @@ with response chunking or pagination, and see non-OK statuses as errors.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
 from datetime import timedelta
@@ -17,9 +16,10 @@ import grpc
 from google.protobuf.duration_pb2 import Duration
 
 from streamkit.client.broker_client import BrokerClient
-from streamkit.client.errors import Backoff, JournalNotFound, check_status
+from streamkit.client.errors import Backoff, JournalNotFound, check_status, translating_rpc_errors
 from streamkit.protocol import pb
 from streamkit.protocol.labels import parse_selector
+from streamkit.tasks import cancel_and_wait
 
 __all__ = [
     "PolledList",
@@ -52,9 +52,10 @@ def _remember_routes(client: BrokerClient, journals: Iterable[pb.ListResponse.Jo
 async def list_journals(client: BrokerClient, selector: Selector = None) -> Journals:
     """Every journal matching `selector` (text like "app=x, prefix=logs/" or a LabelSelector)."""
     journals: Journals = []
-    async for response in client.stub.List(pb.ListRequest(selector=_selector(selector))):
-        check_status(response.status, "list journals")
-        journals.extend(response.journals)
+    with translating_rpc_errors("list journals"):
+        async for response in client.stub.List(pb.ListRequest(selector=_selector(selector))):
+            check_status(response.status, "list journals")
+            journals.extend(response.journals)
     _remember_routes(client, journals)
     return journals
 
@@ -73,8 +74,10 @@ async def apply_journals(
 ) -> pb.ApplyResponse:
     """Apply the changes in one transaction (a stale expect_mod_revision fails all)."""
     request = changes if isinstance(changes, pb.ApplyRequest) else pb.ApplyRequest(changes=changes)
-    response = await client.stub.Apply(request)
-    check_status(response.status, f"apply {len(request.changes)} journal change(s)")
+    what = f"apply {len(request.changes)} journal change(s)"
+    with translating_rpc_errors(what):
+        response = await client.stub.Apply(request)
+    check_status(response.status, what)
     return response
 
 
@@ -122,7 +125,8 @@ async def list_fragments(
         request.signatureTTL.CopyFrom(Duration(seconds=int(signature_ttl.total_seconds())))
     merged = pb.FragmentsResponse(status=pb.OK)
     while True:
-        response = await client.stub_for(journal).ListFragments(request)
+        with translating_rpc_errors(f"list fragments of {journal}"):
+            response = await client.stub_for(journal).ListFragments(request)
         check_status(response.status, f"list fragments of {journal}")
         if not merged.HasField("header"):
             merged.header.CopyFrom(response.header)
@@ -181,9 +185,7 @@ class PolledList:
     async def close(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task, "following the journal listing")
 
     async def wait_update(self) -> Journals:
         """Wait for the next change of the listing and return it."""

@@ -24,6 +24,7 @@ from streamkit.client.errors import (
     broker_error,
     describe,
     is_transient,
+    rpc_failure,
 )
 from streamkit.client.fragment_reader import FragmentReader, open_fragment
 from streamkit.protocol import pb
@@ -133,6 +134,8 @@ class Reader(_ByteStream):
             self._finish()
             if is_transient(exc):
                 self.client.forget_route(self.journal)
+            if isinstance(exc, grpc.RpcError):
+                raise rpc_failure(exc, f"read {self.journal} at offset {self.offset}") from exc
             raise
         return None if response is grpc.aio.EOF else response
 

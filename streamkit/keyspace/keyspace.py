@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal, Self
 
+from streamkit.errors import StreamkitError
 
-class KeySpaceError(Exception):
+
+class KeySpaceError(StreamkitError):
     """Base class of every error a `KeySpace` raises."""
 
 

@@ -33,6 +33,7 @@ from uuid import UUID
 from google.protobuf.message import Message as ProtoMessage
 from pydantic import ValidationError
 
+from streamkit.errors import StreamkitError
 from streamkit.message.message import UUID_FIELD, Envelope, Message, MessageLike
 from streamkit.message.uuid import Flags, flags_of
 from streamkit.protocol import pb
@@ -60,7 +61,7 @@ CONTENT_TYPE_LABEL = "content-type"
 MAX_ERRORS = 100
 
 
-class FrameError(ValueError):
+class FrameError(StreamkitError, ValueError):
     """A frame that could not be decoded: where it was and why.
 
     `end` and `frame` are the bad frame's end offset and exact bytes when the
@@ -95,7 +96,7 @@ class FrameError(ValueError):
         return (type(self), (self.journal, self.offset, self.reason, self.end, self.frame))
 
 
-class UnknownFraming(ValueError):
+class UnknownFraming(StreamkitError, ValueError):
     """No framing is registered for a journal's content-type."""
 
 

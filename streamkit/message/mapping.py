@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from streamkit.client.listing import PolledList
+from streamkit.errors import StreamkitError
 from streamkit.message.framing import content_type_of
 from streamkit.protocol import pb
 from streamkit.protocol.labels import format_selector
@@ -55,7 +56,7 @@ _FNV_OFFSET = 0x811C9DC5
 _FNV_PRIME = 0x01000193
 
 
-class EmptyPartitions(LookupError):
+class EmptyPartitions(StreamkitError, LookupError):
     """No journal currently matches the partitions' selector (Gazette's ErrEmptyListResponse).
 
     Mapping fails before anything is appended, so the caller may simply retry

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from uuid import UUID
 
+from streamkit.errors import StreamkitError
 from streamkit.message.message import Envelope, MessageLike, get_uuid
 from streamkit.message.uuid import Flags
 
@@ -76,7 +77,7 @@ class QueueOutcome(enum.IntEnum):
     ACK_COMMIT_REPLAY = 9  # ACK_TXN committing a span partly evicted: replay, then dequeue
 
 
-class ReplayError(ValueError):
+class ReplayError(StreamkitError, ValueError):
     """Replayed envelopes don't belong to the requested replay range."""
 
 

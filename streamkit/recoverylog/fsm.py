@@ -26,6 +26,7 @@ from typing import Any
 import google_crc32c
 from google.protobuf import json_format
 
+from streamkit.errors import StreamkitError
 from streamkit.protocol import pb
 from streamkit.protocol import recoverylog_pb2 as rpb
 from streamkit.recoverylog.segments import Segment, SegmentError, SegmentSet
@@ -61,7 +62,7 @@ MAX_OP_SIZE = 64 << 20  # a longer op frame is taken as corruption, not waited f
 _BASE32_DIGITS = "0123456789abcdefghijklmnopqrstuv"
 
 
-class RecoveryLogError(Exception):
+class RecoveryLogError(StreamkitError):
     """The log at `journal`:`offset` is corrupt or inconsistent; playback stopped."""
 
     def __init__(self, journal: str, offset: int, reason: str) -> None:
@@ -71,7 +72,7 @@ class RecoveryLogError(Exception):
         super().__init__(f"recovery log {journal} at offset {offset}: {reason}")
 
 
-class FSMError(Exception):
+class FSMError(StreamkitError):
     """An op contradicts the history applied so far (not a benign skip)."""
 
 

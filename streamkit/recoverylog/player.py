@@ -47,6 +47,7 @@ from streamkit.recoverylog.fsm import (
     author_fence,
     encode_frame,
 )
+from streamkit.tasks import cancel_and_wait
 
 __all__ = ["STAGING_DIR", "Player"]
 
@@ -343,9 +344,7 @@ class _Playback:
         fill = asyncio.ensure_future(self.reader.fill(1))
         await asyncio.wait((fill, self.player._request), return_when=asyncio.FIRST_COMPLETED)
         if not fill.done():
-            fill.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await fill
+            await cancel_and_wait(fill, f"reading {self.reader.log}")
             return
         fill.result()  # re-raise a failure
 

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator
 
 from streamkit.client import BrokerClient, OpFuture
 from streamkit.client.appender import append_with_retries
+from streamkit.errors import StreamkitError
 from streamkit.protocol import pb
 from streamkit.protocol import recoverylog_pb2 as rpb
 from streamkit.recoverylog.fsm import (
@@ -31,13 +32,14 @@ from streamkit.recoverylog.fsm import (
     encode_frame,
     new_random_author,
 )
+from streamkit.tasks import cancel_and_wait
 
 __all__ = ["Recorder", "RecorderClosed", "normalize_path"]
 
 MAX_BATCH = 8 << 20  # a batch this large takes no more groups of ops (one group may exceed it)
 
 
-class RecorderClosed(RuntimeError):
+class RecorderClosed(StreamkitError, RuntimeError):
     """The Recorder was closed (or its dispatch task stopped) before these ops were appended."""
 
 
@@ -108,9 +110,7 @@ class Recorder:
                 await self.barrier()
         finally:
             if self._task is not None:
-                self._task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._task
+                await cancel_and_wait(self._task, f"recording to {self.journal}")
             self._fail(self._error or RecorderClosed(f"recorder of {self.journal} is closed"))
 
     # --- recording ---------------------------------------------------------

@@ -19,12 +19,13 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
+from streamkit.errors import StreamkitError
 from streamkit.protocol import recoverylog_pb2 as rpb
 
 __all__ = ["Segment", "SegmentError", "SegmentSet"]
 
 
-class SegmentError(ValueError):
+class SegmentError(StreamkitError, ValueError):
     """A Segment is malformed, or would break a SegmentSet's invariants."""
 
 

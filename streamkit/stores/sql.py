@@ -26,8 +26,8 @@ order and on a single thread, which some drivers require.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
+import logging
 import shlex
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +42,8 @@ from streamkit.stores.store import FencedError, Store, StoreError
 from streamkit.tasks import wait_finished
 
 __all__ = ["CHECKPOINTS", "SQLStore", "driver_problem"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -278,8 +280,10 @@ class SQLStore(Store):
 
     def _close_sync(self) -> None:
         if self._conn is not None:
-            with contextlib.suppress(Exception):
+            try:
                 self._rollback()
+            except Exception as error:  # closing anyway: the database rolls back what's open
+                log.info("%s: rolling back before closing failed: %s", self.shard_fqn, error)
             self._conn.close()
             self._conn = None
 
@@ -297,8 +301,11 @@ class SQLStore(Store):
         except BaseException as error:
             if self._waiting_on_dependencies:  # nothing was sent: drop the transaction
                 self._waiting_on_dependencies = False
-                with contextlib.suppress(Exception):
+                try:
                     await asyncio.shield(self._call(self._rollback))
+                except Exception as rollback_error:  # the transaction fails either way
+                    log.info("%s: rolling back a transaction never sent failed: %s",
+                             self.shard_fqn, rollback_error)
             op.fail(error)
             if isinstance(error, asyncio.CancelledError):
                 raise

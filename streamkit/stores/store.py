@@ -26,16 +26,20 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from streamkit.client.append_service import OpFuture
+
 # OpFuture lives in the client package (appends resolve them); the recovery log
 # stores build on the same type, so stores share it rather than wrapping it.
-from streamkit.client.append_service import OpFuture
+from streamkit.errors import StreamkitError
 from streamkit.protocol import consumer_pb
 
 __all__ = ["FencedError", "Store", "StoreError"]
 
 
-class StoreError(Exception):
-    """A store could not restore, commit, or was used out of order."""
+class StoreError(StreamkitError):
+    """A shard's state store could not restore, commit, or was used out of order.
+
+    (A broker's fragment store raises `FragmentStoreError` instead.)"""
 
 
 class FencedError(StoreError):

@@ -9,10 +9,10 @@ import functools
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .base import CONTENT_TYPES, FragmentStore, StoreError
+from .base import CONTENT_TYPES, FragmentStore, FragmentStoreError
 from .file import FileStore
 
-__all__ = ["CONTENT_TYPES", "FileStore", "FragmentStore", "StoreError", "open_store"]
+__all__ = ["CONTENT_TYPES", "FileStore", "FragmentStore", "FragmentStoreError", "open_store"]
 
 _NOT_YET = ("gs", "azure", "azure-ad")
 
@@ -38,5 +38,7 @@ def _open(url: str, file_root: Path | None) -> FragmentStore:
 
         return S3Store(url)
     if scheme in _NOT_YET:
-        raise StoreError(f"{url}: {scheme}:// stores are not supported by the bundled broker yet")
-    raise StoreError(f"{url}: unknown fragment store scheme {scheme!r} (use file:// or s3://)")
+        raise FragmentStoreError(
+            f"{url}: {scheme}:// stores are not supported by the bundled broker yet"
+        )
+    raise FragmentStoreError(f"{url}: unknown fragment store scheme {scheme!r} (use file:// or s3://)")

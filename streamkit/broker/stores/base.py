@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import SplitResult, parse_qsl
 
+from streamkit.errors import StreamkitError
 from streamkit.protocol import pb
 from streamkit.protocol.fragments import FragmentNameError, parse_content_path
 
 from .postfix import postfix_matcher
 
-__all__ = ["CONTENT_TYPES", "FragmentStore", "StoreError", "store_args", "translate_errors"]
+__all__ = ["CONTENT_TYPES", "FragmentStore", "FragmentStoreError", "store_args", "translate_errors"]
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,10 @@ CONTENT_TYPES: dict[int, str] = {
 }
 
 
-class StoreError(Exception):
-    """A fragment store URL is invalid, or the store failed an operation."""
+class FragmentStoreError(StreamkitError):
+    """A fragment store URL is invalid, or the store failed an operation (named in the message).
+
+    The name says which store: a shard's state store raises `streamkit.stores.StoreError`."""
 
 
 class FragmentStore(ABC):
@@ -132,9 +135,11 @@ def store_args(url: SplitResult, allowed: Iterable[str]) -> dict[str, str]:
         key = name.lower()
         if key not in allowed:
             known = ", ".join(sorted(allowed)) or "none"
-            raise StoreError(f"{url.geturl()}: unknown query argument {name!r} (known: {known})")
+            raise FragmentStoreError(
+                f"{url.geturl()}: unknown query argument {name!r} (known: {known})"
+            )
         if key in args:
-            raise StoreError(f"{url.geturl()}: query argument {name!r} is given twice")
+            raise FragmentStoreError(f"{url.geturl()}: query argument {name!r} is given twice")
         args[key] = value
     return args
 
@@ -143,8 +148,8 @@ def store_args(url: SplitResult, allowed: Iterable[str]) -> dict[str, str]:
 def translate_errors(
     store: FragmentStore, action: str, errors: tuple[type[BaseException], ...]
 ) -> Iterator[None]:
-    """Re-raise a backend's `errors` as StoreError, naming the store and the action."""
+    """Re-raise a backend's `errors` as FragmentStoreError, naming the store and the action."""
     try:
         yield
     except errors as e:
-        raise StoreError(f"{store.url}: {action}: {e}") from e
+        raise FragmentStoreError(f"{store.url}: {action}: {e}") from e

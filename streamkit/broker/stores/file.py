@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from streamkit.protocol import pb
 from streamkit.protocol.fragments import content_path, fragment_url
 
-from .base import FragmentStore, StoreError, store_args, translate_errors
+from .base import FragmentStore, FragmentStoreError, store_args, translate_errors
 
 __all__ = ["FileStore"]
 
@@ -32,7 +32,7 @@ def _clean_parts(relative: str, what: str) -> list[str]:
     """The components of a relative path, refusing anything that could escape its root."""
     parts = relative.split("/")
     if any(part in ("", ".", "..") for part in parts):
-        raise StoreError(f"{what} {relative!r} is not a clean relative path")
+        raise FragmentStoreError(f"{what} {relative!r} is not a clean relative path")
     return parts
 
 
@@ -80,10 +80,10 @@ class FileStore(FragmentStore):
         super().__init__(url)
         parts = urlsplit(url)
         if parts.scheme != "file" or parts.netloc:
-            raise StoreError(f"{url}: a file store URL looks like file:///some/folder/")
+            raise FragmentStoreError(f"{url}: a file store URL looks like file:///some/folder/")
         store_args(parts, allowed=())
         if not parts.path.endswith("/"):
-            raise StoreError(f"{url}: a store URL's path must end in '/'")
+            raise FragmentStoreError(f"{url}: a store URL's path must end in '/'")
         relative = parts.path.strip("/")
         self.root = file_root
         if relative:

@@ -22,7 +22,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from streamkit.protocol import pb
 from streamkit.protocol.fragments import content_path
 
-from .base import CONTENT_TYPES, FragmentStore, StoreError, store_args, translate_errors
+from .base import CONTENT_TYPES, FragmentStore, FragmentStoreError, store_args, translate_errors
 
 __all__ = ["S3Store"]
 
@@ -49,9 +49,9 @@ class S3Store(FragmentStore):
         parts = urlsplit(url)
         args = store_args(parts, allowed=("endpoint", "region", "profile", *_UPLOAD_ARGS))
         if parts.scheme != "s3" or not parts.netloc:
-            raise StoreError(f"{url}: an S3 store URL looks like s3://bucket/prefix/")
+            raise FragmentStoreError(f"{url}: an S3 store URL looks like s3://bucket/prefix/")
         if parts.path and not parts.path.endswith("/"):
-            raise StoreError(f"{url}: a store URL's path must end in '/'")
+            raise FragmentStoreError(f"{url}: a store URL's path must end in '/'")
         self.bucket = parts.netloc
         self.prefix = parts.path.lstrip("/")
         self._upload_args = {_UPLOAD_ARGS[k]: v for k, v in args.items() if k in _UPLOAD_ARGS}
@@ -72,7 +72,7 @@ class S3Store(FragmentStore):
         return self.prefix + content_path(f)
 
     async def _call(self, action: str, method: str, **kwargs: Any) -> Any:
-        """Run one client method in a thread, with its errors as StoreError."""
+        """Run one client method in a thread, with its errors as FragmentStoreError."""
         with translate_errors(self, action, _ERRORS):
             return await asyncio.to_thread(getattr(self._client, method), **kwargs)
 
@@ -97,7 +97,7 @@ class S3Store(FragmentStore):
         key = self._key(f)
         try:
             await self._call(f"checking {key}", "head_object", Bucket=self.bucket, Key=key)
-        except StoreError as e:
+        except FragmentStoreError as e:
             cause = e.__cause__
             if isinstance(cause, ClientError) and _error_code(cause) in _NOT_FOUND:
                 return False
