@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -254,10 +255,18 @@ async def test_fatal_loop_stops_the_member_and_another_takes_over(
                 crash: Exception = RuntimeError("injected into the follower")
                 monkeypatch.setattr(a, "_report", failing(-1, crash, a._report))
             elif loop == "allocator-keepalive":
+                # The keepalives are sent from the member's lease keeper thread, with a
+                # KeySpace client of its own: fail those of member a only.
                 unreachable = KeySpaceError("injected: the KeySpace is unreachable")
-                monkeypatch.setattr(
-                    a.keyspace, "keepalive", failing(-1, unreachable, a.keyspace.keepalive)
-                )
+                real_keepalive = SQLiteKeySpace.keepalive
+                keeper_thread = f"lease {a.allocator.member}"
+
+                async def keepalive(self: SQLiteKeySpace, lease_id: int) -> bool:
+                    if threading.current_thread().name == keeper_thread:
+                        raise unreachable
+                    return await real_keepalive(self, lease_id)
+
+                monkeypatch.setattr(SQLiteKeySpace, "keepalive", keepalive)
             else:
                 real_solve = allocator_module.solve
 

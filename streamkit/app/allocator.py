@@ -31,7 +31,10 @@ within one settle delay plus one transaction.
 The three background loops run supervised (`streamkit.app.supervise`), each
 with its own policy on a crash:
 
-* keepalive: never restarted. A keepalive the KeySpace answers "expired" (the
+* keepalive: never restarted. The keepalives themselves are sent from a thread
+  of their own (`LeaseKeeper`), so that a hook blocking the event loop doesn't
+  cost the member its lease; this loop watches what the thread heard. A
+  keepalive the KeySpace answers "expired" (the
   process was paused past its lease) announces the member again under a new
   lease: its old assignments went with the old one, and once the watch shows
   them gone the member stops those replicas. But keepalives that fail (an
@@ -57,6 +60,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -75,6 +79,7 @@ from streamkit.app.assignment import (
     is_consistent,
     member_key,
 )
+from streamkit.app.lease_keeper import LeaseKeeper
 from streamkit.app.solver import Placement, solve
 from streamkit.app.supervise import LoopFailure, Restart, supervised
 from streamkit.keyspace import (
@@ -368,6 +373,7 @@ class Allocator:
         self._tasks: list[asyncio.Task[None]] = []
         self._desired: Placement | None = None
         self._on_failure = on_failure
+        self._keeper: LeaseKeeper | None = None  # from start() on
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -376,6 +382,8 @@ class Allocator:
         if self._tasks:
             raise RuntimeError("allocator already started")
         await self._announce()
+        self._keeper = LeaseKeeper(self.keyspace, self.lease_ttl, str(self.member))
+        self._keeper.start(self.lease)
         await self._reload()
         owner, give_up = f"member {self.member}", self._give_up
         self._tasks = [
@@ -404,6 +412,7 @@ class Allocator:
         for task in self._tasks:
             if task is not asyncio.current_task():
                 task.cancel()
+        self._stop_keeper()
         if self._on_failure is not None:
             self._on_failure(failure)
 
@@ -426,6 +435,14 @@ class Allocator:
             task.cancel()
         for task in tasks:
             await wait_finished(task, task.get_name())
+        self._stop_keeper()
+
+    def _stop_keeper(self) -> None:
+        """No more keepalives; the thread ends within TTL/3 (not waited for: it's a daemon
+        whose last keepalive, if any, only delays the lapse of a lease being given up)."""
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.stop(timeout=0)
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -519,34 +536,34 @@ class Allocator:
     # -- background tasks ------------------------------------------------------
 
     async def _keepalive_loop(self) -> None:
-        """Keep the lease alive; raises LeaseLost once it went `lease_ttl` without (see the
-        module docstring)."""
-        clock = asyncio.get_running_loop()
-        answered_at = clock.time()  # when the last keepalive the KeySpace answered began
-        lost = False  # the lease expired: announcing again
+        """Watch the lease keeper's thread; announce again when the KeySpace said the lease
+        expired, and raise LeaseLost once no keepalive was answered for `lease_ttl` (see
+        the module docstring)."""
+        keeper = self._keeper
+        assert keeper is not None
+        warned: str | None = None
         while True:
             await asyncio.sleep(self.lease_ttl / 3)
-            began = clock.time()
-            try:
-                if not lost:
-                    async with asyncio.timeout(self.lease_ttl):
-                        lost = not await self.keyspace.keepalive(self.lease)
-                    answered_at = began
-                    if lost:
-                        log.warning("member %s lost its lease; announcing again", self.member)
-                if lost:
+            if keeper.expired_lease == self.lease:
+                log.warning("member %s lost its lease; announcing again", self.member)
+                try:
                     await self._announce()
-                    lost = False
-            except (KeySpaceError, TimeoutError) as e:
-                timed_out = isinstance(e, TimeoutError)
-                error = f"no answer within {self.lease_ttl:g}s" if timed_out else str(e)
-                silent = clock.time() - answered_at
-                if silent >= self.lease_ttl:
-                    raise LeaseLost(
-                        f"no keepalive of lease {self.lease} answered for {silent:.1f}s "
-                        f"(TTL {self.lease_ttl:g}s; last error: {error}): the lease has lapsed"
-                    ) from (None if timed_out else e)
+                except KeySpaceError as e:
+                    log.warning("member %s could not announce itself again: %s", self.member, e)
+                    continue
+                keeper.keep(self.lease)
+                continue
+            error = keeper.error
+            silent = time.monotonic() - keeper.answered_at
+            if silent >= self.lease_ttl:
+                raise LeaseLost(
+                    f"no keepalive of lease {self.lease} answered for {silent:.1f}s "
+                    f"(TTL {self.lease_ttl:g}s; last error: {error or 'none'}): "
+                    "the lease has lapsed"
+                )
+            if error is not None and error != warned:
                 log.warning("member %s keepalive failed: %s", self.member, error)
+            warned = error
 
     async def _watch_loop(self) -> None:
         """Keep `state` current; reads the whole state first, as a restart must."""

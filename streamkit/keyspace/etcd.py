@@ -203,6 +203,9 @@ class EtcdKeySpace(KeySpace):
         endpoints, prefix = parse_url(url)
         return cls(endpoints, prefix, **options)
 
+    def reopen(self) -> EtcdKeySpace:
+        return EtcdKeySpace(self._endpoints, self._prefix, retry_timeout=self._retry_timeout)
+
     @property
     def url(self) -> str:
         return f"etcd://{','.join(self._endpoints)}/{self._prefix}"

@@ -238,6 +238,14 @@ class KeySpace(abc.ABC):
     async def close(self) -> None:
         """Release the backend. Later calls, and waiting watches, raise KeySpaceError."""
 
+    @abc.abstractmethod
+    def reopen(self) -> KeySpace:
+        """A new, independent client of the same KeySpace, with the same options.
+
+        A client belongs to the event loop that first uses it; another thread
+        with a loop of its own (the member's lease keeper) needs its own client.
+        """
+
     async def __aenter__(self) -> Self:
         return self
 

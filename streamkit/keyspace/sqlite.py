@@ -360,6 +360,7 @@ class SQLiteKeySpace(KeySpace):
             raise ValueError("history_revisions must be at least 1")
         self._path = str(path)
         self._poll_interval = poll_interval
+        self._reopen_args = (poll_interval, history_revisions, busy_timeout)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keyspace")
         try:
             self._store = self._executor.submit(
@@ -378,6 +379,11 @@ class SQLiteKeySpace(KeySpace):
 
     def __repr__(self) -> str:
         return f"SQLiteKeySpace({self._path!r})"
+
+    def reopen(self) -> SQLiteKeySpace:
+        poll_interval, history_revisions, busy_timeout = self._reopen_args
+        return SQLiteKeySpace(self._path, poll_interval=poll_interval,
+                              history_revisions=history_revisions, busy_timeout=busy_timeout)
 
     def _check_open(self) -> None:
         if self._closed:
