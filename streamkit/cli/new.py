@@ -1,11 +1,13 @@
-"""`streamkit new`: a new application folder, from the templates in streamkit/templates/.
+"""`streamkit new`: a new application folder, from the templates in templates/.
 
 The skeleton is a small but complete app (events counted per key, totals
 published and queryable) in the store kind asked for, with its
 streamkit.yaml, a README and an in-process test, so that `streamkit run` and
 `pytest` work on it straight away. Templates are filled with string.Template
 (`$name`, `$class_name`, ...); `app/` holds the files every app gets,
-`stores/<kind>.py.tmpl` the app.py of each store kind.
+`stores/<kind>.py.tmpl` the app.py of each store kind. The top-level templates/
+folder is installed as the package streamkit.templates (see pyproject.toml), so
+importlib.resources finds it in a wheel and in an editable install alike.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def render_app(name: str, store: str) -> dict[str, str]:
                                         "module:Class, the module relative to this folder"),
         "table": f"{name.replace('-', '_')}_totals",
     }
-    templates = resources.files("streamkit").joinpath("templates")
+    templates = resources.files("streamkit.templates")
     files: dict[str, str] = {}
     for entry in sorted(templates.joinpath("app").iterdir(), key=lambda e: e.name):
         if entry.name.endswith(_SUFFIX):
