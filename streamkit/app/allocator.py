@@ -82,6 +82,7 @@ from streamkit.app.assignment import (
 from streamkit.app.lease_keeper import LeaseKeeper
 from streamkit.app.solver import Placement, solve
 from streamkit.app.supervise import LoopFailure, Restart, supervised
+from streamkit.errors import StreamkitError
 from streamkit.keyspace import (
     CompactedError,
     Compare,
@@ -103,7 +104,7 @@ BATCH_ITEMS = 32
 RESTART = Restart()
 
 
-class LeaseLost(Exception):
+class LeaseLost(StreamkitError):
     """No keepalive was answered for a lease's TTL: the others may have taken its shards."""
 
 

@@ -17,13 +17,14 @@ from streamkit.broker import metrics
 from streamkit.broker.faults import JournalFault, JournalUnavailable, storage_fault
 from streamkit.broker.replica import Replica
 from streamkit.broker.spool import SpoolAppend
+from streamkit.errors import StreamkitError
 from streamkit.protocol import pb
 from streamkit.protocol.labels import registers_match, subtract, union
 
 T = TypeVar("T")
 
 
-class RolledBack(Exception):
+class RolledBack(StreamkitError):
     """The content stream ended without committing; nothing was appended."""
 
 

@@ -22,6 +22,7 @@ from streamkit.broker.faults import JournalFault
 from streamkit.broker.journals import ApplyConflict, JournalRegistry
 from streamkit.broker.pace import DEFAULT_MIN_APPEND_RATE, AppendPace
 from streamkit.broker.reads import ReadStream
+from streamkit.errors import StreamkitError
 from streamkit.protocol import pb, pb_grpc
 from streamkit.protocol.apply import check_apply_changes
 from streamkit.protocol.labels import (
@@ -41,7 +42,7 @@ DEFAULT_FRAGMENTS_PAGE = 1_000
 APPEND_CHUNK_TIMEOUT = 30.0  # default: a stalled appender holding the journal is rolled back
 
 
-class BadRequest(ValueError):
+class BadRequest(StreamkitError, ValueError):
     """A malformed request; answered with INVALID_ARGUMENT."""
 
 

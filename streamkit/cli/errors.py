@@ -29,7 +29,7 @@ from streamkit.broker.stores import FragmentStoreError
 from streamkit.client.errors import BrokerError, JournalNotFound, TransportError
 from streamkit.errors import StreamkitError
 from streamkit.protocol.labels import SelectorError
-from streamkit.protocol.spec import SpecError
+from streamkit.protocol.problems import SpecError
 
 __all__ = [
     "DATA_ERROR",
@@ -47,7 +47,7 @@ _PREFIX = "streamkit: error: "
 P = ParamSpec("P")
 
 
-class CliError(Exception):
+class CliError(StreamkitError):
     """A failure whose message is already fit for the user."""
 
     def __init__(self, message: str, exit_code: int = FAILURE) -> None:

@@ -26,6 +26,7 @@ import cramjam
 import snappy
 import zstandard
 
+from streamkit.errors import StreamkitError
 from streamkit.protocol import broker_pb2 as pb
 
 __all__ = [
@@ -51,11 +52,11 @@ _GZIP_CODECS = (pb.GZIP, pb.GZIP_OFFLOAD_DECOMPRESSION)
 _LIBRARY_ERRORS = (zlib.error, zstandard.ZstdError, cramjam.DecompressionError)
 
 
-class UnknownCodecError(ValueError):
+class UnknownCodecError(StreamkitError, ValueError):
     """The compression codec is not one this module knows."""
 
 
-class CodecError(OSError):
+class CodecError(StreamkitError, OSError):
     """Stored bytes are corrupt or truncated for their codec."""
 
 

@@ -13,6 +13,7 @@ import re
 import struct
 from urllib.parse import urlsplit, urlunsplit
 
+from streamkit.errors import StreamkitError
 from streamkit.protocol import broker_pb2 as pb
 
 __all__ = [
@@ -54,7 +55,7 @@ _CODEC_OF_EXTENSION: dict[str, int] = {
 }
 
 
-class FragmentNameError(ValueError):
+class FragmentNameError(StreamkitError, ValueError):
     """A file name is not a fragment content name (listings skip such files)."""
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
+from streamkit.errors import StreamkitError
 from streamkit.protocol import pb
 
 __all__ = [
@@ -69,7 +70,7 @@ _Triple = tuple[str, str, bool]
 LabelLike = tuple[str, str] | Mapping[str, str] | pb.Label
 
 
-class SelectorError(ValueError):
+class SelectorError(StreamkitError, ValueError):
     """A label selector (text or message) that is malformed."""
 
 
