@@ -191,7 +191,7 @@ class Replica:
                 return
             message = f"{type(error).__name__}: {error}" if str(error) else repr(error)
             if isinstance(error, TransactionFailed):
-                message = str(error)
+                message = error.reason  # names transaction and phase; this line names the shard
             log.error("shard %s failed: %s", self.id, message,
                       exc_info=not isinstance(error, QueryError | OSError | TransactionFailed))
             self._set_status(Code.FAILED, message)

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Mapping
 
 from streamkit.app.replica import STOP_TIMEOUT, Replica, Runtime
-from streamkit.app.txn import TransactionLoop
+from streamkit.app.txn import TransactionFailed, TransactionLoop
 from streamkit.protocol import consumer_pb
 
 __all__ = ["Service"]
@@ -125,4 +125,5 @@ async def _outcome(shard_id: str, loop: TransactionLoop) -> None:
     try:
         await loop.wait_committed()
     except Exception as error:
-        log.info("shard %s: its abandoned commit failed: %s", shard_id, error)
+        named = isinstance(error, TransactionFailed)  # whose message names the shard already
+        log.info("abandoned commit failed: %s", error if named else f"shard {shard_id}: {error}")

@@ -16,6 +16,11 @@ finished. Its length is bounded by the shard's min and max durations:
   max duration;
 * otherwise it commits.
 
+Being asked to stop closes the open transaction too. These rules are one pure
+predicate, `must_close`; the loop around it is a few named steps (see
+`TransactionLoop`), and it measures and waits by an injectable clock
+(`streamkit.app.txn_clock`), so tests drive it deterministically.
+
 ACKs are queued right when the commit starts, with the commit as their
 dependency, so in every journal they precede whatever the next transaction
 publishes, and they are written only once the checkpoint holding them is
@@ -59,9 +64,10 @@ from streamkit.app.metrics import SHARD_METRICS, SKIPPED
 from streamkit.app.publishing import ShardPublisher
 from streamkit.app.shard import Shard
 from streamkit.app.sources import BadFrame, SourceInput
-from streamkit.app.waits import first_of
+from streamkit.app.txn_clock import MONOTONIC, TxnClock
 from streamkit.app.watchdog import HookRecord
 from streamkit.client.append_service import OpFuture
+from streamkit.errors import StreamkitError
 from streamkit.message.framings.json_lines import CONTENT_TYPE as NDJSON
 from streamkit.message.framings.json_lines import JsonLinesFraming
 from streamkit.message.message import Envelope, MessageLike
@@ -74,6 +80,7 @@ __all__ = [
     "TransactionLoop",
     "UnskippableFrame",
     "awaitable_hook",
+    "must_close",
     "reappend_ack_intents",
 ]
 
@@ -104,7 +111,7 @@ async def reappend_ack_intents(shard: Shard, cp: consumer_pb.Checkpoint) -> None
         await future
 
 
-class UnskippableFrame(ValueError):
+class UnskippableFrame(StreamkitError, ValueError):
     """A bad frame whose source says skip or dead-letter, but whose end is unknown."""
 
 
@@ -130,12 +137,16 @@ class PoisonPolicies:
             elif label.name in _SETTINGS:
                 topic, _, policy = label.value.rpartition(":")
                 if not topic or policy not in (SKIP, DEAD_LETTER):
-                    raise ValueError(f"shard {spec.id}: label {label.name}={label.value} is not "
-                                     f"<topic>:{SKIP} or <topic>:{DEAD_LETTER}")
+                    raise ValueError(
+                        f"shard {spec.id}: label {label.name}={label.value} is not "
+                        f"<topic>:{SKIP} or <topic>:{DEAD_LETTER}"
+                    )
                 self._by_topic[label.name, topic] = policy
         if DEAD_LETTER in self._by_topic.values() and not self.dead_letters:
-            raise ValueError(f"shard {spec.id}: a source dead-letters but the spec has no "
-                             f"{DEAD_LETTERS_LABEL} label naming where to")
+            raise ValueError(
+                f"shard {spec.id}: a source dead-letters but the spec has no "
+                f"{DEAD_LETTERS_LABEL} label naming where to"
+            )
 
     def of(self, journal: str, label: str) -> str:
         """The policy (`label`: ON_UNDECODABLE_LABEL or ON_CONSUME_ERROR_LABEL) of a journal."""
@@ -152,17 +163,56 @@ def _as_json(message: MessageLike) -> Any:
         return repr(message)
 
 
-class TransactionFailed(Exception):
-    """A transaction of a shard failed: its application, input, store or appends."""
+class TransactionFailed(StreamkitError):
+    """A transaction of a shard failed; its cause (`__cause__`) is the original error.
 
-    def __init__(self, shard: str, number: int, error: BaseException) -> None:
+    `phase` says where, so an operator knows whose error it is: "read" (the
+    shard's input, including a poison frame it can't pass over), an
+    application hook ("begin_txn", "consume_message", "finalize_txn",
+    "finished_txn"), "commit" (checkpointing and the store's commit) or "ack"
+    (appending the transaction's ACKs). `reason` is the message without the shard.
+    """
+
+    def __init__(self, shard: str, number: int, phase: str, error: BaseException) -> None:
         text = f"{type(error).__name__}: {error}" if str(error) else repr(error)
-        super().__init__(f"transaction {number}: {text}")
-        self.shard, self.number = shard, number
+        self.reason = f"transaction {number} failed at {phase}: {text}"
+        super().__init__(f"shard {shard}: {self.reason}")
+        self.shard, self.number, self.phase = shard, number, phase
+
+
+def must_close(
+    elapsed: float,
+    min_duration: float,
+    max_duration: float,
+    *,
+    stopping: bool,
+    ready: bool,
+    committing: bool,
+    acks_pending: bool,
+) -> bool:
+    """Whether the open transaction must stop consuming and commit now.
+
+    The module docstring's rules, in one pure place (so they can be tested
+    without a loop). `ready`: a message is at hand or buffered; `committing`:
+    the previous transaction's commit or ACKs are still in flight;
+    `acks_pending`: a producer's transaction is open in the input and the spec
+    waits for ACKs. Being asked to stop closes the transaction too.
+    """
+    if elapsed >= max_duration or stopping:
+        return True
+    if ready or committing:
+        return False
+    return elapsed >= min_duration and not acks_pending
 
 
 class TransactionLoop:
-    """Runs consumer transactions of one primary shard until asked to stop or failing."""
+    """Runs consumer transactions of one primary shard until asked to stop or failing.
+
+    One transaction is the steps `_first_message`, `_begin`, then
+    `_consume_ready` and `_wait_for_more` until `must_close`, then
+    `_await_previous_commit` and `_start_commit`. Durations and waits go by
+    `clock` (the real monotonic one unless a test passes a fake).
+    """
 
     def __init__(
         self,
@@ -172,11 +222,12 @@ class TransactionLoop:
         publisher: ShardPublisher,
         source: SourceInput,
         hooks: HookRecord | None = None,
+        clock: TxnClock = MONOTONIC,
     ) -> None:
         self.shard, self.app, self.store = shard, app, store
         # Where the hook running now is marked, for the Replica's Watchdog.
         self.hooks = hooks if hooks is not None else HookRecord(shard.id)
-        self.publisher, self.source = publisher, source
+        self.publisher, self.source, self.clock = publisher, source, clock
         spec = shard.spec
         self.max_duration = spec.max_txn_duration.ToTimedelta().total_seconds() or 1.0
         self.min_duration = spec.min_txn_duration.ToTimedelta().total_seconds()
@@ -187,7 +238,7 @@ class TransactionLoop:
         self.policies = PoisonPolicies(spec)
         dead_letters = self.policies.dead_letters
         self._to_dead_letters = lambda _message: (dead_letters, NDJSON)
-        self._begin = self._marked("begin_txn")
+        self._begin_txn = self._marked("begin_txn")
         self._finalize = self._marked("finalize_txn")
         self._finished = self._marked("finished_txn")
         self._previous: asyncio.Task[None] | None = None
@@ -196,13 +247,17 @@ class TransactionLoop:
         # to see the store between transactions.
         self.lock = asyncio.Lock()
         self._number = 0  # of the transaction begun last (1 is the first since the restore)
-        self._yielded = 0.0  # loop time of the last yield to the event loop
+        self._open = False  # whether transaction _number is open (begun, commit not started)
+        self._phase = "read"  # of the open transaction, or "read" for the next one's input
+        self._started = 0.0  # clock time the open transaction began
+        self._skipped = 0  # poison messages the open transaction passed over
+        self._yielded = 0.0  # clock time of the last yield to the event loop
 
     async def run(self, stopping: asyncio.Event) -> None:
         """Consume and commit until `stopping` is set, then finish the transaction in progress.
 
-        A failure is raised as TransactionFailed naming the transaction (its
-        cause is the original error).
+        A failure is raised as TransactionFailed naming the transaction and the
+        phase it failed in (its cause is the original error).
         """
         self.hooks.task = asyncio.current_task()
         try:
@@ -216,7 +271,8 @@ class TransactionLoop:
         except (asyncio.CancelledError, TransactionFailed):
             raise
         except Exception as error:
-            raise TransactionFailed(self.shard.id, self._number, error) from error
+            number = self._number if self._open else self._number + 1
+            raise TransactionFailed(self.shard.id, number, self._phase, error) from error
         finally:
             previous = self._previous
             if previous is not None and not previous.done():
@@ -240,11 +296,12 @@ class TransactionLoop:
             await asyncio.wait((previous,))
         self._check_previous()
 
-    # --- phases --------------------------------------------------------------------
+    # --- steps ---------------------------------------------------------------------
 
     async def _first_message(self, stopping: asyncio.Event) -> Envelope | None:
         """Wait for the next transaction's first message; None once stopping."""
         source = self.source
+        self._phase = "read"
         while True:
             self._check_previous()
             if stopping.is_set():  # input may never run out: don't start another transaction
@@ -256,79 +313,170 @@ class TransactionLoop:
                 waits: list[Awaitable[Any]] = [source.wait_ready(), stopping.wait()]
                 if self._previous is not None:
                     waits.append(self._previous)
-                await first_of(waits)
+                await self.clock.wait(waits)
             else:
                 await source.fill()
 
-    async def _transaction(self, env: Envelope, stopping: asyncio.Event) -> None:
-        loop = asyncio.get_running_loop()
-        shard, store, source, publisher = self.shard, self.store, self.source, self.publisher
-        started = loop.time()
-        min_at, max_at = started + self.min_duration, started + self.max_duration
-        self._number += 1
-        await self._begin(shard, store)
-        publisher.publisher.clock.update()
-        consume = self.app.consume_message
-        poll = source.poll
-        hooks = self.hooks
-        count = skipped = 0
+    async def _transaction(self, env: Envelope | None, stopping: asyncio.Event) -> None:
+        """One transaction, from its first message `env` until its commit started."""
+        await self._begin()
+        source, poll = self.source, self.source.poll
+        min_duration, max_duration = self.min_duration, self.max_duration
+        count = 0
         while True:
             if env is not None:
-                count += 1
-                hooks.current = env  # the watchdog's mark: consuming this message
-                try:
-                    if type(env.message) is BadFrame:
-                        raise env.message.error
-                    if self._async_consume:
-                        await consume(shard, store, env, publisher)
-                    else:
-                        consume(shard, store, env, publisher)
-                except Exception as error:
-                    if not self._pass_over(env, error):
-                        raise
-                    skipped += 1
-                finally:
-                    hooks.current = None
-                if count % _CHECK_EVERY == 0:
-                    now = loop.time()
-                    if count % _YIELD_EVERY == 0 or now - self._yielded > _YIELD_AFTER:
-                        # Yield by count and by time: a slow application must not starve
-                        # reads, commits, other shards, or the member's lease keepalive.
-                        await asyncio.sleep(0)
-                        self._yielded = now
-                    if now >= max_at or stopping.is_set():
-                        break
-                env = poll()
-                continue
-            now = loop.time()
-            if now >= max_at:
-                break
-            if source.ready:
-                await source.fill()  # a replay to read, or a reader's error to raise in poll
-                env = poll()
-                continue
+                count, close = await self._consume_ready(env, count, stopping)
+                if close:
+                    break
+            # Nothing at hand: close, or wait for what may change that.
+            elapsed = self.clock.now() - self._started
+            ready = source.ready
             previous = self._previous
-            if previous is not None and not previous.done():
-                await first_of([previous, source.wait_ready()], max_at - now)
-            elif stopping.is_set():
+            committing = previous is not None and not previous.done()
+            # Looked at only when it may matter: it goes over every producer.
+            acks = (
+                self.wait_for_ack and not (ready or committing) and source.sequencer.has_pending()
+            )
+            if must_close(
+                elapsed,
+                min_duration,
+                max_duration,
+                stopping=stopping.is_set(),
+                ready=ready,
+                committing=committing,
+                acks_pending=acks,
+            ):
                 break
-            elif now < min_at:
-                await first_of([source.wait_ready(), stopping.wait()], min_at - now)
-            elif self.wait_for_ack and source.sequencer.has_pending():
-                await first_of([source.wait_ready(), stopping.wait()], max_at - now)
-            else:
-                break
-            self._check_previous()
+            await self._wait_for_more(elapsed, committing, stopping)
             env = poll()
-        # The previous commit must be done before this one starts (one commit in flight).
-        if self._previous is not None and not self._previous.done():
-            stalled = time.monotonic()
-            await asyncio.wait((self._previous,))
-            self.metrics.stalled.observe(time.monotonic() - stalled)
+        await self._await_previous_commit()
+        self.metrics.consumed.observe(self.clock.now() - self._started)
+        self.metrics.messages.inc(count - self._skipped)
+        await self._start_commit(count - self._skipped)
+
+    async def _begin(self) -> None:
+        """Open the next transaction: its number, start time and the app's begin_txn."""
+        self._number += 1
+        self._open, self._skipped = True, 0
+        self._started = self.clock.now()
+        self._phase = "begin_txn"
+        await self._begin_txn(self.shard, self.store)
+        self.publisher.publisher.clock.update()
+
+    async def _consume_ready(
+        self, env: Envelope | None, count: int, stopping: asyncio.Event
+    ) -> tuple[int, bool]:
+        """Consume `env` and the messages buffered after it, until none is or `must_close`.
+
+        Returns the transaction's message count so far, and whether it must
+        close. The per-message path: the clock and the stop request are
+        looked at every _CHECK_EVERY messages only, and nothing else is called.
+        """
+        shard, store, publisher, hooks = self.shard, self.store, self.publisher, self.hooks
+        consume, poll, now = self.app.consume_message, self.source.poll, self.clock.now
+        async_consume, started = self._async_consume, self._started
+        min_duration, max_duration = self.min_duration, self.max_duration
+        self._phase = "read"  # what fails outside consume_message is the input (poll)
+        while env is not None:
+            count += 1
+            hooks.current = env  # the watchdog's mark: consuming this message
+            try:
+                if type(env.message) is BadFrame:
+                    raise env.message.error
+                if async_consume:
+                    await consume(shard, store, env, publisher)
+                else:
+                    consume(shard, store, env, publisher)
+            except Exception as error:
+                self._pass_over_or_fail(env, error)
+            finally:
+                hooks.current = None
+            if count % _CHECK_EVERY == 0:
+                t = now()
+                if count % _YIELD_EVERY == 0 or t - self._yielded > _YIELD_AFTER:
+                    # Yield by count and by time: a slow application must not starve
+                    # reads, commits, other shards, or the member's lease keepalive.
+                    await asyncio.sleep(0)
+                    self._yielded = t
+                # With a message at hand only the max duration and a stop request close.
+                if must_close(
+                    t - started,
+                    min_duration,
+                    max_duration,
+                    stopping=stopping.is_set(),
+                    ready=True,
+                    committing=False,
+                    acks_pending=False,
+                ):
+                    return count, True
+            env = poll()
+        return count, False
+
+    async def _wait_for_more(
+        self, elapsed: float, committing: bool, stopping: asyncio.Event
+    ) -> None:
+        """Nothing at hand, yet `must_close` said no: wait for what it waits on.
+
+        That is input, the previous commit, the min duration, or an ACK (at
+        most until the max duration).
+        """
+        source, clock = self.source, self.clock
+        self._phase = "read"
+        if source.ready:
+            await source.fill()  # a replay to read, or a reader's error to raise in poll
+            return
+        previous = self._previous
+        if committing and previous is not None:
+            waits: list[Awaitable[Any]] = [previous, source.wait_ready()]
+            await clock.wait(waits, self._started + self.max_duration)
+        elif elapsed < self.min_duration:
+            waits = [source.wait_ready(), stopping.wait()]
+            await clock.wait(waits, self._started + self.min_duration)
+        else:  # an ACK is probably on its way: wait for it, at most until the max duration
+            waits = [source.wait_ready(), stopping.wait()]
+            await clock.wait(waits, self._started + self.max_duration)
         self._check_previous()
-        self.metrics.consumed.observe(loop.time() - started)
-        self.metrics.messages.inc(count - skipped)
-        await self._commit(count - skipped)
+
+    async def _await_previous_commit(self) -> None:
+        """The previous commit must be done before this one starts (one commit in flight)."""
+        previous = self._previous
+        if previous is not None and not previous.done():
+            stalled = self.clock.now()
+            await self.clock.wait([previous])
+            self.metrics.stalled.observe(self.clock.now() - stalled)
+        self._check_previous()
+
+    async def _start_commit(self, count: int) -> None:
+        """Finalize, start the store's commit and queue the ACKs behind it; don't wait for it."""
+        shard, store, publisher = self.shard, self.store, self.publisher
+        self._phase = "finalize_txn"
+        await self._finalize(shard, store, publisher)
+        self._phase = "commit"
+        cp = build_checkpoint(self.source.sequencer, publisher.publisher.build_ack_intents())
+        wait_for = shard.appends.pending_except("")
+        committing = self.clock.now()
+        commit = await store.start_commit(shard.id, cp, wait_for)
+        acks = {
+            journal: shard.appends.append_nowait(journal, data, (commit,))
+            for journal, data in cp.ack_intents.items()
+        }
+        self._phase = "finished_txn"
+        await self._finished(shard, store, commit)
+        self._previous = asyncio.create_task(
+            self._acknowledged(self._number, commit, acks, cp, committing, count),
+            name=f"acknowledge:{shard.id}",
+        )
+        self._open = False
+        self._phase = "read"
+
+    # --- the rest ------------------------------------------------------------------
+
+    def _pass_over_or_fail(self, env: Envelope, error: Exception) -> None:
+        """A poison message: pass over it as its source's policy says, or fail naming it."""
+        if not self._pass_over(env, error):
+            phase = "read" if type(env.message) is BadFrame else "consume_message"
+            raise TransactionFailed(self.shard.id, self._number, phase, error) from error
+        self._skipped += 1
 
     def _pass_over(self, env: Envelope, error: Exception) -> bool:
         """Skip or dead-letter a poison message, as its source's policy says; False: fail.
@@ -342,8 +490,12 @@ class TransactionLoop:
         if policy == FAIL:
             return False
         setting = f"{_SETTINGS[label]}: {policy}"
-        letter: dict[str, Any] = {"shard": self.shard.id, "journal": env.journal,
-                                  "offset": env.begin, "end": env.end}
+        letter: dict[str, Any] = {
+            "shard": self.shard.id,
+            "journal": env.journal,
+            "offset": env.begin,
+            "end": env.end,
+        }
         if bad is not None:
             if bad.error.frame is None or not bad.error.skippable:
                 raise UnskippableFrame(
@@ -352,8 +504,11 @@ class TransactionLoop:
                     "skipped with it"
                 ) from error
             cause, reason = "undecodable", bad.error.reason
-            letter |= {"cause": cause, "error": reason,
-                       "raw": base64.b64encode(bad.error.frame).decode()}
+            letter |= {
+                "cause": cause,
+                "error": reason,
+                "raw": base64.b64encode(bad.error.frame).decode(),
+            }
         else:
             cause, reason = "consume-error", f"{type(error).__name__}: {error}"
             letter |= {"cause": cause, "error": reason, "message": _as_json(env.message)}
@@ -362,41 +517,44 @@ class TransactionLoop:
             self.publisher.publish(self._to_dead_letters, letter)
             done = f"dead-lettered to {self.policies.dead_letters}"
         what = "undecodable" if bad is not None else "consume_message raised"
-        log.warning("shard %s: %s the message of %s at offset %d (%s): %s: %s", self.shard.id,
-                    done, env.journal, env.begin, setting, what, reason)
+        log.warning(
+            "shard %s: %s the message of %s at offset %d (%s): %s: %s",
+            self.shard.id,
+            done,
+            env.journal,
+            env.begin,
+            setting,
+            what,
+            reason,
+        )
         SKIPPED.labels(self.shard.id, env.journal, cause, policy).inc()
         return True
 
-    async def _commit(self, count: int) -> None:
-        shard, store, publisher = self.shard, self.store, self.publisher
-        await self._finalize(shard, store, publisher)
-        cp = build_checkpoint(self.source.sequencer, publisher.publisher.build_ack_intents())
-        wait_for = shard.appends.pending_except("")
-        committing = time.monotonic()
-        commit = await store.start_commit(shard.id, cp, wait_for)
-        acks = {
-            journal: shard.appends.append_nowait(journal, data, (commit,))
-            for journal, data in cp.ack_intents.items()
-        }
-        await self._finished(shard, store, commit)
-        self._previous = asyncio.create_task(
-            self._acknowledged(commit, acks, cp, committing, count), name=f"acknowledge:{shard.id}"
-        )
-
     async def _acknowledged(
         self,
+        number: int,
         commit: OpFuture,
         acks: dict[str, OpFuture],
         cp: consumer_pb.Checkpoint,
         committing: float,
         count: int,
     ) -> None:
-        await commit
-        self.metrics.committed.observe(time.monotonic() - committing)
-        publish_at = {}
-        for journal, ack in acks.items():
-            response = await ack
-            publish_at[journal] = response.commit.end
+        """Until transaction `number` is durable and its ACKs appended; then count it done.
+
+        A failure surfaces where the loop next looks (`_check_previous`), maybe
+        in a later transaction: it is raised as TransactionFailed naming its own.
+        """
+        phase = "commit"
+        try:
+            await commit
+            self.metrics.committed.observe(self.clock.now() - committing)
+            phase = "ack"
+            publish_at = {}
+            for journal, ack in acks.items():
+                response = await ack
+                publish_at[journal] = response.commit.end
+        except Exception as error:
+            raise TransactionFailed(self.shard.id, number, phase, error) from error
         self.shard.transactions += 1
         self.shard.messages += count
         self.metrics.transactions.inc()
