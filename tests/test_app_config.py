@@ -20,7 +20,7 @@ from streamkit.app.config import (
 )
 from streamkit.message.framing import content_type_of
 from streamkit.message.mapping import fnv1a32
-from streamkit.protocol.spec import SpecError
+from streamkit.protocol.problems import SpecError
 from streamkit.recoverylog import CONTENT_TYPE as RECOVERY_LOG_CONTENT_TYPE
 
 BASE: dict[str, Any] = {
@@ -163,7 +163,10 @@ def test_defaults_of_a_minimal_file(tmp_path: Path) -> None:
     ("transactions.max_duraton", "1s",
      "transactions.max_duraton: unknown field (did you mean 'max_duration'?)"),
     ("transactions.timeout", "1s",
-     "transactions.timeout: unknown field (known: min_duration, max_duration)"),
+     "transactions.timeout: unknown field (did you mean 'hook_timeout'?)"),
+    ("transactions.pace", "1s",
+     "transactions.pace: unknown field (known: min_duration, max_duration, hook_timeout)"),
+    ("transactions.hook_timeout", "0s", "transactions.hook_timeout: must be more than 0s"),
     ("standbys", -1, "standbys: must be ≥ 0 (got -1)"),
     ("shardz", 3, "shardz: unknown field (did you mean 'shards'?)"),
 ])

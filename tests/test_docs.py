@@ -46,7 +46,7 @@ from pydantic_core import PydanticUndefined
 
 from streamkit.app.config import AppConfig, StoreConfig, TopicConfig, TransactionsConfig
 from streamkit.cli.main import cli
-from streamkit.protocol.spec import format_duration
+from streamkit.protocol.durations import format_duration
 from tests.brokerproc import free_port, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from streamkit.protocol import consumer_pb
 from streamkit.protocol.labels import label_set
+from streamkit.protocol.problems import SpecError
 from streamkit.protocol.shard_spec import (
     DEFAULT_RING_BUFFER_SIZE,
     ShardEntry,
@@ -20,7 +21,6 @@ from streamkit.protocol.shard_spec import (
     shard_id_problem,
     validate_shard_proto,
 )
-from streamkit.protocol.spec import SpecError
 
 LOGGED = {"recovery_log_prefix": "recovery/wordcount", "hint_prefix": "/gazette/hints"}
 

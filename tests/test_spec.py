@@ -9,20 +9,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from streamkit.protocol import pb
+from streamkit.protocol.durations import format_duration, parse_duration
 from streamkit.protocol.labels import label_set
+from streamkit.protocol.problems import SpecError
 from streamkit.protocol.spec import (
     MIN_FLUSH_INTERVAL,
     FragmentSpec,
     JournalSpec,
-    SpecEntry,
-    SpecError,
-    dump_specs,
-    format_duration,
     journal_name_problem,
-    load_specs,
-    parse_duration,
     validate_proto,
 )
+from streamkit.protocol.spec_tree import SpecEntry, dump_specs, load_specs
 
 
 def spec_error(**fields: Any) -> str:

@@ -21,18 +21,14 @@ Every mistake becomes a `ConfigError` listing one line per problem, naming
 the file and the field path ("streamkit.yaml: sources[0].partitions: must be
 ≥ 1"). Unknown fields are refused with a suggestion, so typos are not
 silently ignored. ConfigError is a SpecError, so the command line reports it
-like any other bad input file.
+like any other bad input file. Importing the Application class the file names
+(the user's code) is `loader`'s job; `AppConfig.load_application` asks it.
 """
 
 from __future__ import annotations
 
 import difflib
-import importlib
 import re
-import sys
-import traceback
-import types
-from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self, get_args
@@ -49,8 +45,10 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import ErrorDetails
 
 from streamkit.app.application import Application
+from streamkit.app.loader import ApplicationLoadError, import_application
 from streamkit.app.store_kinds import STORE_KINDS, records_to_log
 from streamkit.message.framing import UnknownFraming, framing_for
 from streamkit.message.mapping import (
@@ -61,17 +59,16 @@ from streamkit.message.mapping import (
     random_mapping,
 )
 from streamkit.protocol import consumer_pb, pb
+from streamkit.protocol.durations import format_duration, parse_duration
 from streamkit.protocol.labels import label_set, label_value_problem
-from streamkit.protocol.spec import (
-    FragmentSpec,
-    JournalSpec,
-    Label,
+from streamkit.protocol.problems import (
+    FieldProblems,
     Problem,
     SpecError,
-    format_duration,
-    journal_name_problem,
-    parse_duration,
+    validation_problems,
+    yaml_problem,
 )
+from streamkit.protocol.spec import FragmentSpec, JournalSpec, Label, journal_name_problem
 from streamkit.recoverylog.fsm import CONTENT_TYPE as RECOVERY_LOG_CONTENT_TYPE
 
 __all__ = [
@@ -126,22 +123,6 @@ class ConfigError(SpecError):
     """A bad streamkit.yaml (or application it names): one readable line per problem."""
 
 
-class _FieldProblems(ValueError):
-    """Raised inside validators for problems located below the validated value."""
-
-    def __init__(self, found: list[tuple[tuple[str | int, ...], str]]) -> None:
-        super().__init__("; ".join(message for _, message in found))
-        self.found = found
-
-
-def _render(loc: Iterable[str | int]) -> str:
-    """("sources", 0, "topic") -> "sources[0].topic"."""
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
-    return out
-
-
 def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
     """The model whose fields sit at `loc` (list indexes skipped), to suggest field names."""
     model: Any = AppConfig
@@ -184,31 +165,22 @@ _TYPE_WORDS = {
 }
 
 
-def _problems(error: Mapping[str, Any], source: str) -> list[Problem]:
-    """Readable problems for one pydantic error entry."""
-    loc = tuple(error["loc"])
+def _wording(error: ErrorDetails) -> str | None:
+    """streamkit.yaml's words for pydantic's errors (None: the shared default words).
+
+    Its readers are app authors, not gazctl users: unknown fields get a suggestion.
+    """
     ctx = error.get("ctx", {})
-    cause = ctx.get("error")
     kind = error["type"]
-    if isinstance(cause, _FieldProblems):
-        return [
-            Problem(message, _render(loc + below), source=source) for below, message in cause.found
-        ]
-    if isinstance(cause, ValueError):
-        message = str(cause)
-    elif kind == "extra_forbidden":
-        message = _unknown_field(loc)
-    elif kind == "missing":
-        message = "is required"
-    elif kind == "greater_than_equal":
-        message = f"must be ≥ {ctx['ge']} (got {error['input']!r})"
-    elif kind == "less_than_equal":
-        message = f"must be ≤ {ctx['le']} (got {error['input']!r})"
-    elif kind in _TYPE_WORDS:
-        message = f"{_TYPE_WORDS[kind]} (got {error['input']!r})"
-    else:
-        message = f"{error['msg'][0].lower()}{error['msg'][1:]} (got {error['input']!r})"
-    return [Problem(message, _render(loc), source=source)]
+    if kind == "extra_forbidden":
+        return _unknown_field(tuple(error["loc"]))
+    if kind == "greater_than_equal":
+        return f"must be ≥ {ctx['ge']} (got {error['input']!r})"
+    if kind == "less_than_equal":
+        return f"must be ≤ {ctx['le']} (got {error['input']!r})"
+    if kind in _TYPE_WORDS:
+        return f"{_TYPE_WORDS[kind]} (got {error['input']!r})"
+    return None
 
 
 def _count(n: int, noun: str) -> str:
@@ -359,15 +331,18 @@ class StoreConfig(_Model):
     @model_validator(mode="after")
     def _url_only_for_sql(self) -> Self:
         if self.url is not None and self.kind != "sql":
-            raise _FieldProblems([(("url",), "only a sql store takes a url (set kind: sql)")])
+            raise FieldProblems.at("only a sql store takes a url (set kind: sql)", "url")
         return self
 
 
 class TransactionsConfig(_Model):
-    """How long a consumer transaction may (min) and must at most (max) run."""
+    """How long a consumer transaction may (min) and must at most (max) run, and how long
+    one call of an application hook may run before the watchdog names it (a query to the
+    member's HTTP API gets as long, then a 503)."""
 
     min_duration: Duration = timedelta(0)
     max_duration: Duration = timedelta(seconds=1)
+    hook_timeout: Duration = timedelta(seconds=30)
 
     @field_validator("min_duration")
     @classmethod
@@ -376,7 +351,7 @@ class TransactionsConfig(_Model):
             raise ValueError(f"must not be negative (got {format_duration(value)})")
         return value
 
-    @field_validator("max_duration")
+    @field_validator("max_duration", "hook_timeout")
     @classmethod
     def _check_max(cls, value: timedelta) -> timedelta:
         if value <= timedelta(0):
@@ -386,16 +361,10 @@ class TransactionsConfig(_Model):
     @model_validator(mode="after")
     def _min_below_max(self) -> Self:
         if self.min_duration > self.max_duration:
-            raise _FieldProblems(
-                [
-                    (
-                        ("min_duration",),
-                        (
-                            f"{format_duration(self.min_duration)} is more than max_duration "
-                            f"{format_duration(self.max_duration)}"
-                        ),
-                    )
-                ]
+            raise FieldProblems.at(
+                f"{format_duration(self.min_duration)} is more than max_duration "
+                f"{format_duration(self.max_duration)}",
+                "min_duration",
             )
         return self
 
@@ -428,7 +397,7 @@ class AppConfig(_Model):
     @classmethod
     def _one_standbys_spelling(cls, data: Any) -> Any:
         if isinstance(data, dict) and "standbys" in data and "hot_standbys" in data:
-            raise _FieldProblems([(("hot_standbys",), "give standbys or hot_standbys, not both")])
+            raise FieldProblems.at("give standbys or hot_standbys, not both", "hot_standbys")
         return data
 
     @model_validator(mode="before")
@@ -498,7 +467,7 @@ class AppConfig(_Model):
                     )
                 listed.add((field, topic.topic))
         if found:
-            raise _FieldProblems(found)
+            raise FieldProblems(found)
         return self
 
     def _partition_problem(self, source: TopicConfig) -> str | None:
@@ -508,8 +477,7 @@ class AppConfig(_Model):
             return None
         if partitions < self.shards:
             effect = (
-                "several shards would read each partition and process its messages "
-                "several times"
+                "several shards would read each partition and process its messages several times"
             )
         else:
             effect = f"partitions {self.shards} and up would never be read"
@@ -537,7 +505,7 @@ class AppConfig(_Model):
         try:
             config = cls.model_validate(document)
         except ValidationError as err:
-            raise ConfigError(p for e in err.errors() for p in _problems(e, source)) from None
+            raise ConfigError(validation_problems(err, source=source, wording=_wording)) from None
         config._app_dir = app_dir
         config._document = document
         return config
@@ -745,102 +713,10 @@ class AppConfig(_Model):
     def load_application(self, app_dir: Path | None = None) -> type[Application]:
         """Import the `module:Class` named by `application`, with the app folder on sys.path."""
         folder = Path(app_dir if app_dir is not None else self.app_dir).resolve()
-        module_name, class_name = self.application.split(":")
-        module = _import_from(folder, module_name, self.config_file)
-        where = f"{module_name}:{class_name}"
-        cls = getattr(module, class_name, None)
-        if cls is None:
-            raise _config_error(
-                f"module {module_name!r} ({_file_of(module)}) has no {class_name!r}",
-                self.config_file,
-                "application",
-            )
-        if not isinstance(cls, type) or not issubclass(cls, Application):
-            what = type(cls).__name__ if not isinstance(cls, type) else f"class {cls.__name__}"
-            raise _config_error(
-                f"{where} is not a subclass of streamkit.Application (it is a {what})",
-                self.config_file,
-                "application",
-            )
-        if cls is Application:
-            raise _config_error(
-                f"{where} is streamkit.Application itself: subclass it",
-                self.config_file,
-                "application",
-            )
-        return cls
-
-
-# Modules load_application imported, and the folder each came from: another app's
-# module of the same name (every template app has an `app`) is replaced, never
-# a module imported by anything else.
-_app_modules: dict[str, Path] = {}
-
-
-def _file_of(module: types.ModuleType) -> str:
-    return str(getattr(module, "__file__", None) or module.__name__)
-
-
-def _within(path: str | None, folder: Path) -> bool:
-    return path is not None and Path(path).resolve().is_relative_to(folder)
-
-
-def _forget_other_app(folder: Path, top: str, source: str) -> None:
-    existing = sys.modules.get(top)
-    if existing is None or _within(getattr(existing, "__file__", None), folder):
-        return
-    if top not in _app_modules:
-        raise _config_error(
-            f"module {top!r} is already imported from {_file_of(existing)}; "
-            "rename the app's module",
-            source,
-            "application",
-        )
-    for name in [n for n in sys.modules if n == top or n.startswith(f"{top}.")]:
-        del sys.modules[name]
-
-
-def _import_from(folder: Path, module_name: str, source: str) -> types.ModuleType:
-    top = module_name.split(".")[0]
-    if str(folder) in sys.path:
-        sys.path.remove(str(folder))
-    sys.path.insert(0, str(folder))
-    _forget_other_app(folder, top, source)
-    importlib.invalidate_caches()
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name is not None and (module_name + ".").startswith(err.name + "."):
-            raise _config_error(
-                f"no module {module_name!r} in {folder}", source, "application"
-            ) from None
-        raise _import_failed(module_name, err, folder, source) from None
-    except Exception as err:
-        raise _import_failed(module_name, err, folder, source) from None
-    _app_modules[top] = folder
-    return module
-
-
-def _import_failed(module_name: str, err: Exception, folder: Path, source: str) -> ConfigError:
-    """The exception's text and the last line of the app's code it went through."""
-    text = " ".join(str(err).split())
-    where = ""
-    if not isinstance(err, SyntaxError):  # its text already names file and line
-        frames = [f for f in traceback.extract_tb(err.__traceback__) if _within(f.filename, folder)]
-        if frames:
-            where = f" (at {Path(frames[-1].filename).relative_to(folder)}:{frames[-1].lineno})"
-    return _config_error(
-        f"importing module {module_name!r} failed: {type(err).__name__}: {text}{where}",
-        source,
-        "application",
-    )
-
-
-def _yaml_error(err: yaml.YAMLError, source: str) -> ConfigError:
-    mark = getattr(err, "problem_mark", None)
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-    reason = getattr(err, "problem", None) or str(err)
-    return _config_error(f"invalid YAML: {where}{reason}", source)
+        try:
+            return import_application(self.application, folder, self.config_file)
+        except ApplicationLoadError as err:
+            raise ConfigError(err.problems) from None
 
 
 def load_config(app_dir: Path | str) -> AppConfig:
@@ -860,5 +736,5 @@ def load_config(app_dir: Path | str) -> AppConfig:
     try:
         document = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise _yaml_error(err, source) from None
+        raise ConfigError([yaml_problem(err, source)]) from None
     return AppConfig.parse(document, source, folder)

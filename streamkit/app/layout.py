@@ -31,7 +31,7 @@ from typing import Any
 from streamkit.app.assignment import items_prefix
 from streamkit.app.config import AppConfig, ConfigError
 from streamkit.keyspace.keyspace import KeySpace
-from streamkit.protocol.spec import Problem
+from streamkit.protocol.problems import Problem
 
 __all__ = [
     "Epoch",

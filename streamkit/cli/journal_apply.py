@@ -21,7 +21,8 @@ from streamkit.cli.inputs import read_text_input
 from streamkit.client import BrokerClient, EtcdTransactionFailed, list_journals
 from streamkit.client.listing import apply_journals_in_batches
 from streamkit.protocol import pb
-from streamkit.protocol.spec import JournalSpec, SpecEntry, load_specs
+from streamkit.protocol.spec import JournalSpec
+from streamkit.protocol.spec_tree import SpecEntry, load_specs
 
 __all__ = ["Action", "apply_specs", "plan_changes"]
 

@@ -28,14 +28,10 @@ from streamkit.cli.output import FORMATS, echo_json, echo_table, format_labels, 
 from streamkit.client import BrokerClient, list_journals
 from streamkit.client.broker_client import DEFAULT_ADDRESS
 from streamkit.protocol import pb
+from streamkit.protocol.durations import parse_duration
 from streamkit.protocol.labels import label_set, parse_selector
-from streamkit.protocol.spec import (
-    JournalSpec,
-    SpecEntry,
-    dump_specs,
-    journal_name_problem,
-    parse_duration,
-)
+from streamkit.protocol.spec import JournalSpec, journal_name_problem
+from streamkit.protocol.spec_tree import SpecEntry, dump_specs
 
 __all__ = ["journals"]
 

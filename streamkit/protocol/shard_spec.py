@@ -3,8 +3,8 @@
 The rules are those Gazette's consumers apply to a ShardSpec, so a spec that
 passes here is accepted by a Gazette consumer too. Two are stricter: the
 minimum transaction duration may not exceed the maximum, and a hint prefix may
-not be "/" alone. Failures are ``SpecError``s (shared with journal specs), one
-line per problem naming the shard id and the field.
+not be "/" alone. Failures are ``SpecError``s (see ``problems``, shared with
+journal specs), one line per problem naming the shard id and the field.
 
 Files use the layout of ``gazctl shards apply`` / ``shards list``: a ``common``
 mapping of settings every shard inherits, and a ``shards`` list whose entries
@@ -27,22 +27,16 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 
 from streamkit.protocol import consumer_pb
-from streamkit.protocol.labels import label_set
-from streamkit.protocol.spec import (
-    GoDuration,
-    Label,
-    Problem,
-    SpecError,
-    _beyond,
-    _common,
-    _label_set_problem,
-    _merge_labels,
-    _Problem,
-    _SpecModel,
-    _yaml_problem,
-    format_duration,
-    journal_name_problem,
+from streamkit.protocol.durations import GoDuration, format_duration
+from streamkit.protocol.inheritance import (
+    FlatSettings,
+    merge_labels,
+    settings_beyond,
+    shared_settings,
 )
+from streamkit.protocol.labels import label_set
+from streamkit.protocol.problems import FieldProblems, Problem, SpecError, yaml_problem
+from streamkit.protocol.spec import Label, SpecModel, journal_name_problem, label_set_problem
 
 __all__ = [
     "DEFAULT_MAX_TXN_DURATION",
@@ -130,7 +124,7 @@ def _check_range(value: int, low: int, high: int) -> int:
 # --- models ---------------------------------------------------------------------
 
 
-class ShardSource(_SpecModel):
+class ShardSource(SpecModel):
     """A journal the shard reads, and where to start when no checkpoint says otherwise."""
 
     journal: str
@@ -151,7 +145,7 @@ class ShardSource(_SpecModel):
         return offset
 
 
-class ShardSpecModel(_SpecModel):
+class ShardSpecModel(SpecModel):
     """A shard's id and configuration. Omitted fields take Gazette's usual values."""
 
     id: str
@@ -195,7 +189,9 @@ class ShardSpecModel(_SpecModel):
         for index in range(1, len(ordered)):
             if ordered[index].journal == ordered[index - 1].journal:
                 journal = ordered[index].journal
-                raise _Problem(f"journal {journal!r} is listed more than once", index, "journal")
+                raise FieldProblems.at(
+                    f"journal {journal!r} is listed more than once", index, "journal"
+                )
         return ordered
 
     @field_validator("hint_backups")
@@ -230,7 +226,9 @@ class ShardSpecModel(_SpecModel):
         labels = sorted(set(labels), key=lambda label: (label.name, label.value))
         for index, label in enumerate(labels):
             if label.name == "id":
-                raise _Problem('"id" is reserved (it matches the shard id in selectors)', index)
+                raise FieldProblems.at(
+                    '"id" is reserved (it matches the shard id in selectors)', index
+                )
         return labels
 
     @field_validator("ring_buffer_size", "read_channel_size")
@@ -242,23 +240,25 @@ class ShardSpecModel(_SpecModel):
     def _check_log_and_hints(self) -> Self:
         if self.recovery_log_prefix:
             if problem := journal_name_problem(self.recovery_log):
-                raise _Problem(
+                raise FieldProblems.at(
                     f"makes an invalid recovery log {self.recovery_log!r}: {problem}",
                     "recovery_log_prefix",
                 )
             if not self.hint_prefix:
-                raise _Problem("is required when recovery_log_prefix is set", "hint_prefix")
+                raise FieldProblems.at("is required when recovery_log_prefix is set", "hint_prefix")
             if problem := hint_prefix_problem(self.hint_prefix):
-                raise _Problem(problem, "hint_prefix")
+                raise FieldProblems.at(problem, "hint_prefix")
         elif self.hint_prefix:
-            raise _Problem("must be empty when recovery_log_prefix is empty", "hint_prefix")
+            raise FieldProblems.at("must be empty when recovery_log_prefix is empty", "hint_prefix")
         return self
 
     @model_validator(mode="after")
     def _check_txn_bounds(self) -> Self:
         if self.min_txn_duration > self.max_txn_duration:
             low, high = map(format_duration, (self.min_txn_duration, self.max_txn_duration))
-            raise _Problem(f"must not exceed max_txn_duration ({low} > {high})", "min_txn_duration")
+            raise FieldProblems.at(
+                f"must not exceed max_txn_duration ({low} > {high})", "min_txn_duration"
+            )
         return self
 
     # --- derived names (Gazette's layout) ---
@@ -341,7 +341,7 @@ def validate_shard_proto(spec: consumer_pb.ShardSpec) -> None:
     journals = [source.journal for source in spec.sources]
     if journals != sorted(set(journals)):
         problems.append(ShardProblem("must be in unique, sorted order of journal", "sources"))
-    if problem := _label_set_problem(spec.labels):
+    if problem := label_set_problem(spec.labels):
         problems.append(ShardProblem(problem.message, problem.path))
     if problems:
         raise SpecError(ShardProblem(p.message, p.path, shard=spec.id) for p in problems)
@@ -437,7 +437,7 @@ class _FileLoader:
         for key in _SETTING_KEYS:
             if key in node:
                 above = self.common.get(key)
-                settings[key] = _merge_labels(above, node[key]) if key == "labels" else node[key]
+                settings[key] = merge_labels(above, node[key]) if key == "labels" else node[key]
         try:
             spec = ShardSpecModel(id=shard, **settings)
         except SpecError as err:
@@ -460,7 +460,7 @@ def load_shard_entries(text: str, source: str = "<shards>") -> list[ShardEntry]:
     try:
         document = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise SpecError([_yaml_problem(err, source)]) from None
+        raise SpecError([yaml_problem(err, source)]) from None
     if document is None:
         return []
     loader = _FileLoader(source)
@@ -477,15 +477,13 @@ def load_shard_specs(text: str, source: str = "<shards>") -> list[ShardSpecModel
 
 # --- YAML: dumping -------------------------------------------------------------------
 
-# A spec's settings as one flat mapping (labels one slot per name), without the
-# settings at their default, so that what a group of shards shares is a plain
-# intersection: ("hot_standbys",) -> 1, ("labels", "app") -> ("wordcount",).
-_Flat = dict[tuple[str, ...], Any]
+# A spec's settings as FlatSettings (labels one slot per name), without the
+# settings at their default: ("hot_standbys",) -> 1, ("labels", "app") -> ("wordcount",).
 _DEFAULTS = ShardSpecModel(id="defaults").model_dump(mode="json")
 
 
-def _flatten(spec: ShardSpecModel) -> _Flat:
-    flat: _Flat = {}
+def _flatten(spec: ShardSpecModel) -> FlatSettings:
+    flat: FlatSettings = {}
     for key, value in spec.model_dump(mode="json", exclude={"id"}).items():
         if key == "labels":
             for label in value:
@@ -499,7 +497,7 @@ def _flatten(spec: ShardSpecModel) -> _Flat:
     return flat
 
 
-def _unflatten(flat: _Flat) -> dict[str, Any]:
+def _unflatten(flat: FlatSettings) -> dict[str, Any]:
     node: dict[str, Any] = {}
     for key in _SETTING_KEYS:  # in the model's field order
         if key == "labels":
@@ -527,10 +525,10 @@ def dump_shard_specs(specs: Iterable[ShardSpecModel | ShardEntry]) -> str:
         return ""
     entries.sort(key=lambda entry: entry.spec.id)
     flats = [_flatten(entry.spec) for entry in entries]
-    common = _common(flats) if len(flats) > 1 else {}
+    common = shared_settings(flats) if len(flats) > 1 else {}
     shards = []
     for entry, flat in zip(entries, flats, strict=True):
-        node = {"id": entry.spec.id, **_unflatten(_beyond(flat, common))}
+        node = {"id": entry.spec.id, **_unflatten(settings_beyond(flat, common))}
         if entry.revision:
             node["revision"] = entry.revision
         if entry.delete:

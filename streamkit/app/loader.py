@@ -1,0 +1,117 @@
+"""Importing the user's Application class, named "module:Class" in streamkit.yaml.
+
+This is the one place streamkit runs a user's code at import time, so it is
+kept apart from reading the configuration. The app folder goes first on
+``sys.path``; a failing import becomes one readable problem naming the
+exception and the last line of the app's own code it went through, never a
+traceback. Several app folders in one process (tests, the docs) each get
+their own module even when the names clash (every template app has an
+``app``), but a module that anything else imported is never replaced.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import traceback
+import types
+from pathlib import Path
+
+from streamkit.app.application import Application
+from streamkit.protocol.problems import Problem, SpecError
+
+__all__ = ["ApplicationLoadError", "import_application"]
+
+# The field of streamkit.yaml every problem here is about.
+_FIELD = "application"
+
+
+class ApplicationLoadError(SpecError):
+    """The Application class a config names can't be loaded; problems point at its field."""
+
+
+def _error(message: str, source: str) -> ApplicationLoadError:
+    return ApplicationLoadError([Problem(message, _FIELD, source=source)])
+
+
+def import_application(target: str, folder: Path, source: str) -> type[Application]:
+    """Import ``target`` ("module:Class") from ``folder``; its Application subclass.
+
+    ``source`` (the config file) is named by every problem, as is its
+    ``application`` field. Raises ApplicationLoadError.
+    """
+    module_name, class_name = target.split(":")
+    module = _import_from(folder, module_name, source)
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise _error(f"module {module_name!r} ({_file_of(module)}) has no {class_name!r}", source)
+    if not isinstance(cls, type) or not issubclass(cls, Application):
+        what = type(cls).__name__ if not isinstance(cls, type) else f"class {cls.__name__}"
+        raise _error(
+            f"{target} is not a subclass of streamkit.Application (it is a {what})", source
+        )
+    if cls is Application:
+        raise _error(f"{target} is streamkit.Application itself: subclass it", source)
+    return cls
+
+
+# Modules import_application imported, and the folder each came from: another app's
+# module of the same name (every template app has an `app`) is replaced, never
+# a module imported by anything else.
+_app_modules: dict[str, Path] = {}
+
+
+def _file_of(module: types.ModuleType) -> str:
+    return str(getattr(module, "__file__", None) or module.__name__)
+
+
+def _within(path: str | None, folder: Path) -> bool:
+    return path is not None and Path(path).resolve().is_relative_to(folder)
+
+
+def _forget_other_app(folder: Path, top: str, source: str) -> None:
+    existing = sys.modules.get(top)
+    if existing is None or _within(getattr(existing, "__file__", None), folder):
+        return
+    if top not in _app_modules:
+        raise _error(
+            f"module {top!r} is already imported from {_file_of(existing)}; "
+            "rename the app's module",
+            source,
+        )
+    for name in [n for n in sys.modules if n == top or n.startswith(f"{top}.")]:
+        del sys.modules[name]
+
+
+def _import_from(folder: Path, module_name: str, source: str) -> types.ModuleType:
+    top = module_name.split(".")[0]
+    if str(folder) in sys.path:
+        sys.path.remove(str(folder))
+    sys.path.insert(0, str(folder))
+    _forget_other_app(folder, top, source)
+    importlib.invalidate_caches()
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name is not None and (module_name + ".").startswith(err.name + "."):
+            raise _error(f"no module {module_name!r} in {folder}", source) from None
+        raise _import_failed(module_name, err, folder, source) from None
+    except Exception as err:
+        raise _import_failed(module_name, err, folder, source) from None
+    _app_modules[top] = folder
+    return module
+
+
+def _import_failed(
+    module_name: str, err: Exception, folder: Path, source: str
+) -> ApplicationLoadError:
+    """The exception's text and the last line of the app's code it went through."""
+    text = " ".join(str(err).split())
+    where = ""
+    if not isinstance(err, SyntaxError):  # its text already names file and line
+        frames = [f for f in traceback.extract_tb(err.__traceback__) if _within(f.filename, folder)]
+        if frames:
+            where = f" (at {Path(frames[-1].filename).relative_to(folder)}:{frames[-1].lineno})"
+    return _error(
+        f"importing module {module_name!r} failed: {type(err).__name__}: {text}{where}", source
+    )
