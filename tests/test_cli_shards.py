@@ -22,7 +22,7 @@ from streamkit.app.assignment import MemberId
 from streamkit.app.config import AppConfig, load_config
 from streamkit.app.deploy import ensure_shard_specs
 from streamkit.app.member import deploy
-from streamkit.app.shard_api import apply_shards
+from streamkit.app.shard_ops import apply_shards
 from streamkit.cli.main import cli
 from streamkit.client import BrokerClient
 from streamkit.keyspace import open_keyspace

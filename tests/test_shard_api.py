@@ -28,7 +28,9 @@ from streamkit.app.assignment import MemberId, assignment_key, member_key
 from streamkit.app.config import AppConfig
 from streamkit.app.deploy import ensure_shard_specs
 from streamkit.app.member import Member, MemberOptions, deploy
-from streamkit.app.shard_api import ShardAPI, get_hints, serve_member_apis
+from streamkit.app.member_apis import serve_member_apis
+from streamkit.app.shard_api import ShardAPI
+from streamkit.app.shard_ops import get_hints
 from streamkit.client import BrokerClient
 from streamkit.client.append_service import AppendService
 from streamkit.keyspace import open_keyspace
@@ -430,6 +432,7 @@ async def test_stat_waits_for_read_through_and_http_api(shared_broker: Any,
             request = consumer_pb.StatRequest(shard=shard.id, read_through={
                 journal: ends[journal], "not/a/source": 10**9})  # non-sources are ignored
             stat = asyncio.ensure_future(stub.Stat(request, timeout=TIMEOUT))
+            # A negative check: the gate holds the shard, so nothing may answer meanwhile.
             await asyncio.sleep(0.5)
             assert not stat.done(), "Stat answered before the shard read through"
             with pytest.raises(grpc.aio.AioRpcError) as caught:

@@ -75,7 +75,7 @@ async def _restart_running_shards(config: AppConfig, keyspace: KeySpace, plan: A
                                   ) -> list[str]:
     """Unassign the handed-over shards' (fenced) primaries: the app's allocator, if the
     app runs, assigns them afresh, and the new primaries recover the backfilled state."""
-    from streamkit.app.shard_api import unassign_shards
+    from streamkit.app.shard_ops import unassign_shards
 
     response = await unassign_shards(keyspace, config.keyspace_root,
                                      [shard.shard_id for shard in plan.shards])

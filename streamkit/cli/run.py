@@ -29,7 +29,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import click
-import grpc
 
 from streamkit.app.config import AppConfig, load_config
 from streamkit.app.layout import check_layout
@@ -41,9 +40,10 @@ from streamkit.app.watchdog import Stuck
 from streamkit.cli.children import Child, Supervisor, port_in_use, start_child
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command
 from streamkit.cli.logs import configure_logging
-from streamkit.client import BrokerClient
+from streamkit.client import BrokerClient, TransportError
 from streamkit.keyspace import open_keyspace
 from streamkit.keyspace.keyspace import KeySpace
+from streamkit.tasks import cancel_and_wait
 
 __all__ = ["DEFAULT_BROKER_PORT", "app_config", "keyspace_url_of", "run", "serve",
            "start_bundled_broker"]
@@ -84,7 +84,7 @@ async def _member(config: AppConfig, app_class: type, client: BrokerClient, keys
                   ) -> AsyncIterator[Member]:
     """A member with its Shard API and HTTP endpoints, stopped gracefully on exit (its
     commits bounded by `stop_timeout()`, asked as the stop begins)."""
-    from streamkit.app.shard_api import serve_member_apis
+    from streamkit.app.member_apis import serve_member_apis
 
     options = MemberOptions(work_dir=config.data_dir / "shards" / suffix, suffix=suffix,
                             file_root=broker_file_root)
@@ -128,14 +128,14 @@ async def _deploy_when_ready(config: AppConfig, client: BrokerClient, keyspace: 
         try:
             await deploy(config, client, keyspace)
             return
-        except grpc.aio.AioRpcError as err:
-            if err.code() not in _NOT_YET or loop.time() > deadline:
+        except TransportError as err:
+            if err.code not in _NOT_YET or loop.time() > deadline:
                 raise CliError(f"cannot set up the app's journals at broker {broker}: "
-                               f"{err.code().name}: {err.details()}") from None
+                               f"{err.code}: {err.details}") from None
             await asyncio.sleep(0.25)
 
 
-_NOT_YET = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_NOT_YET = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
 
 
 def _exit_stuck(stuck: list[Stuck], children: Callable[[], list[Child]] = list) -> None:
@@ -274,9 +274,7 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
                         supervising, member,
                         lambda: [*workers_, *([bundled.child] if bundled is not None else [])])
                 finally:
-                    viewing.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await viewing
+                    await cancel_and_wait(viewing, "the status view")
                     stop_timeout()  # decided now, while stopping begins
                     click.echo("stopping: committing the shards' last transactions..."
                                if bundled is None or bundled.running() else
@@ -291,10 +289,10 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
         patience = STOP_TIMEOUT
         if stop_timeout() != STOP_TIMEOUT:
             patience = max(0.1, stopping["began"] + 2 * _QUICK_STOP + 1.0 - time.monotonic())
-        if supervising is not None:  # before stopping the broker, which it would restart
-            supervising.cancel()
-            with contextlib.suppress(asyncio.CancelledError, CliError):
-                await supervising
+        # Before stopping the broker, which it would restart. Had it ended with an error,
+        # _until_signalled raised that already.
+        if supervising is not None and not supervising.done():
+            await cancel_and_wait(supervising, "the broker supervisor")
         await asyncio.gather(*(asyncio.to_thread(child.stop, patience) for child in workers_))
         if bundled is not None:
             await asyncio.to_thread(bundled.child.stop)

@@ -22,9 +22,8 @@ import click
 import grpc
 from google.protobuf import json_format
 
-from streamkit.app.assignment import MemberId
 from streamkit.app.config import CONFIG_FILE, load_config
-from streamkit.app.shard_api import (
+from streamkit.app.shard_ops import (
     BadRequest,
     CorruptHints,
     apply_shards,
@@ -33,22 +32,21 @@ from streamkit.app.shard_api import (
     read_state,
     unassign_shards,
 )
+from streamkit.app.stat_client import StatClient, find_primary
 from streamkit.cli.errors import DATA_ERROR, FAILURE, CliError, async_command, warn
 from streamkit.cli.inputs import read_text_input
 from streamkit.cli.output import echo_json, echo_table, format_labels, plural
-from streamkit.client.broker_client import normalize_address
 from streamkit.keyspace import open_keyspace
 from streamkit.keyspace.keyspace import KeySpace, KeySpaceError
 from streamkit.protocol import consumer_pb
-from streamkit.protocol import consumer_pb2_grpc as consumer_grpc
 from streamkit.protocol.labels import parse_selector
+from streamkit.protocol.problems import SpecError
 from streamkit.protocol.shard_spec import (
     ShardEntry,
     ShardSpecModel,
     dump_shard_specs,
     load_shard_entries,
 )
-from streamkit.protocol.spec import SpecError
 from streamkit.recoverylog.fsm import hints_to_json
 
 __all__ = ["shards"]
@@ -387,30 +385,28 @@ async def _stat(keyspace: KeySpace, root: str, shard: str, read_through: dict[st
     state = await read_state(keyspace, root)
     if shard not in state.items:
         raise _stat_error(shard, consumer_pb.SHARD_NOT_FOUND)
-    primary = state.primary_of(shard)
-    member = state.members.get(primary.member) if primary is not None else None
-    if primary is None or member is None or not member[0].process_spec.endpoint:
+    primary = find_primary(state, shard)
+    if primary is None:
         raise _stat_error(shard, consumer_pb.NO_SHARD_PRIMARY)
-    endpoint = member[0].process_spec.endpoint
-    name = str(MemberId(primary.zone, primary.suffix))
+    name = str(primary.member)
     request = consumer_pb.StatRequest(shard=shard, read_through=read_through)
-    async with grpc.aio.insecure_channel(normalize_address(endpoint)) as channel:
+    async with StatClient() as stats:
         try:
-            response = await consumer_grpc.ShardStub(channel).Stat(request, timeout=timeout)
+            response = await stats.stat(primary.endpoint, request, timeout=timeout)
         except grpc.aio.AioRpcError as err:
             details = " ".join((err.details() or "").split())
             if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise CliError(f"shard {shard} did not read through the given offsets within "
                                f"{timeout:g}s") from None
             if err.code() == grpc.StatusCode.UNAVAILABLE:
-                raise CliError(f"cannot reach shard {shard}'s primary {name} at {endpoint}: "
-                               f"{details}") from None
+                raise CliError(f"cannot reach shard {shard}'s primary {name} at "
+                               f"{primary.endpoint}: {details}") from None
             code = DATA_ERROR if err.code() == grpc.StatusCode.INVALID_ARGUMENT else FAILURE
             raise CliError(f"Stat of {shard} failed ({err.code().name}): {details}",
                            code) from None
     if response.status != consumer_pb.OK:
         raise _stat_error(shard, response.status)
-    return response, name, endpoint
+    return response, name, primary.endpoint
 
 
 def _ago(when: float | None) -> str:

@@ -1,0 +1,185 @@
+"""Starting a member's network APIs: the gRPC Shard API, and the HTTP API on the next port.
+
+A member's HTTP port is its gRPC port + 1: members announce only their gRPC
+endpoint, and `streamkit run status` finds a member's /status from it. Both
+ports are bound for real before either server starts, nothing is probed and
+let go: the HTTP socket is bound first (with port 0, on a port the kernel
+picks), then gRPC on the port below it; when that one is taken, the HTTP
+socket is closed and another pair is tried. Another process (or member) can
+therefore never take one of the pair in between, and two members starting at
+once can't end up sharing a port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+import grpc
+
+from streamkit.app.http_api import start_http
+from streamkit.app.shard_api import ShardAPI
+from streamkit.protocol import consumer_pb2_grpc as consumer_grpc
+
+if TYPE_CHECKING:
+    from streamkit.app.member import Member
+
+__all__ = ["MAX_MESSAGE", "MemberAPIs", "serve_member_apis"]
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE = 64 << 20
+_ATTEMPTS = 50  # port pairs tried with port 0 before giving up
+_BACKLOG = 128
+
+# Tasks closing a ShardAPI's channels to other members once its server stopped.
+_closers: set[asyncio.Task[None]] = set()
+
+
+class HttpServer(Protocol):
+    """What `start_http` returns, as far as stopping it goes."""
+
+    async def cleanup(self) -> None: ...
+
+
+class MemberAPIs(NamedTuple):
+    """A member's running APIs: gRPC on `port`, HTTP on `port + 1`."""
+
+    server: grpc.aio.Server
+    runner: HttpServer
+    port: int
+
+    @property
+    def http_port(self) -> int:
+        return self.port + 1
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        """Stop both servers (gRPC calls get `grace` seconds to finish)."""
+        await self.server.stop(grace)
+        await self.runner.cleanup()
+
+
+def _address(host: str, port: int) -> str:
+    """host:port as gRPC and endpoints write it (IPv6 addresses in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound and listening on host:port (port 0: the kernel's choice)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        # As aiohttp's own sites do: a restarted member may reuse a port in TIME_WAIT,
+        # while a port another socket listens on stays refused.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(_BACKLOG)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _grpc_server() -> grpc.aio.Server:
+    return grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE),
+            ("grpc.max_send_message_length", MAX_MESSAGE),
+            ("grpc.so_reuseport", 0),  # else a second server could bind the same port
+        ]
+    )
+
+
+async def _bind_pair(host: str, port: int) -> tuple[grpc.aio.Server, socket.socket] | None:
+    """A gRPC server bound to a port (not started) and a socket listening on the next one.
+
+    `port` 0: a pair the kernel's choice of the HTTP port gives, None when its
+    gRPC port is taken. Otherwise exactly port and port + 1, or OSError.
+    """
+    try:
+        http = _listen(host, port + 1 if port else 0)
+    except OSError as err:
+        raise OSError(
+            err.errno, f"cannot listen on {_address(host, port + 1)} for HTTP: {err.strerror}"
+        ) from None
+    grpc_port = port or http.getsockname()[1] - 1
+    server = _grpc_server()
+    try:
+        bound = server.add_insecure_port(_address(host, grpc_port)) if grpc_port > 0 else 0
+    except RuntimeError:  # grpc's "Failed to bind"
+        bound = 0
+    if bound == grpc_port:
+        return server, http
+    http.close()
+    await server.stop(None)  # nothing bound: this only releases the server
+    if port:
+        raise OSError(f"cannot listen on {_address(host, port)} for gRPC (is the port in use?)")
+    return None
+
+
+async def serve_member_apis(member: Member, host: str = "127.0.0.1", port: int = 0) -> MemberAPIs:
+    """Start a member's gRPC Shard API on `port` and its HTTP API on `port + 1`.
+
+    With port 0 a free pair is picked. OSError when the ports given are taken.
+    Sets `member.options.endpoint` when it is empty, so call this before
+    `member.start()` announces the member. Stop with `await apis.stop()` (or
+    `await server.stop(grace)` and `await runner.cleanup()`); the Shard API's
+    channels to other members close once its server stopped.
+    """
+    if not 0 <= port < 65535:
+        raise ValueError(f"port must be 0..65534, the HTTP API taking the next (got {port})")
+    pair = None
+    for _ in range(1 if port else _ATTEMPTS):
+        pair = await _bind_pair(host, port)
+        if pair is not None:
+            break
+    if pair is None:
+        raise OSError(f"found no free pair of adjacent ports on {host}")
+    server, http = pair
+    bound = port or http.getsockname()[1] - 1
+    endpoint = f"grpc://{_address(host, bound)}"
+    if not member.options.endpoint:
+        member.options.endpoint = endpoint
+    api = ShardAPI(
+        member.keyspace,
+        member.config.keyspace_root,
+        member.service,
+        endpoint,
+        member.options.member_id(),
+    )
+    consumer_grpc.add_ShardServicer_to_server(api, server)
+    try:
+        await server.start()
+        runner = await start_http(
+            member.service, sock=http, query_timeout=member.runtime.watchdog.limit
+        )
+    except BaseException:
+        http.close()
+        await server.stop(None)
+        await api.close()
+        raise
+    _close_when_stopped(server, api)
+    log.info(
+        "member %s: Shard API on %s, HTTP on %s",
+        member.options.member_id(),
+        endpoint,
+        _address(host, bound + 1),
+    )
+    return MemberAPIs(server, runner, bound)
+
+
+def _close_when_stopped(server: grpc.aio.Server, api: ShardAPI) -> None:
+    """Close `api`'s channels once `server` stopped, however its owner stops it."""
+
+    async def close() -> None:
+        await server.wait_for_termination()
+        await api.close()
+
+    task = asyncio.get_running_loop().create_task(close(), name="close Shard API channels")
+    _closers.add(task)
+    task.add_done_callback(_closers.discard)
