@@ -11,23 +11,35 @@
 Queries are answered only by the shard's primary, which sees its committed
 state; a client finds the primary with `streamkit shards list` (or the
 Shard API's List route).
+
+The server runs on a thread with an event loop of its own, so that /status
+and /metrics answer while user code blocks the member's loop (a stuck hook:
+exactly when an operator asks). A query runs user code, so it runs on the
+member's loop, for at most `query_timeout` seconds (the watchdog's hook
+limit by default); past that the answer is 503, naming the hook the shard is
+stuck in, if any.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import logging
+import socket
+import threading
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from streamkit.app import watchdog
 from streamkit.app.application import QueryError
 from streamkit.app.replica import Replica
 from streamkit.app.service import Service
 from streamkit.protocol import consumer_pb
 
-__all__ = ["replica_status", "start_http"]
+__all__ = ["HttpApi", "replica_status", "start_http"]
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +69,12 @@ def _error(status: int, message: str) -> web.Response:
 
 
 class _Handlers:
-    def __init__(self, service: Service) -> None:
+    def __init__(
+        self, service: Service, member_loop: asyncio.AbstractEventLoop, query_timeout: float
+    ) -> None:
         self.service = service
+        self.member_loop = member_loop
+        self.query_timeout = query_timeout
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -81,23 +97,117 @@ class _Handlers:
             return _error(400, f"the request body is not JSON: {err}")
         if not isinstance(body, dict):
             return _error(400, f"the query must be a JSON object (got {type(body).__name__})")
+        answering = asyncio.run_coroutine_threadsafe(_answer(replica, body), self.member_loop)
         try:
-            answer = await replica.query(body)
-        except QueryError as err:
-            return _error(400, str(err) or type(err).__name__)
-        except Exception as err:
-            log.warning("query of shard %s failed: %s: %s", shard, type(err).__name__, err)
-            return _error(500, f"query failed: {type(err).__name__}: {err}")
-        try:
-            text = json.dumps(answer)
-        except (TypeError, ValueError) as err:
-            return _error(500, f"the query's answer is not JSON-serializable: {err}")
+            async with asyncio.timeout(self.query_timeout):
+                status, text = await asyncio.wrap_future(answering)
+        except TimeoutError:
+            answering.cancel()
+            return _error(503, f"shard {shard} did not answer within {self.query_timeout:g}s"
+                          f"{_stuck_in(replica)}")
+        if status != 200:
+            return _error(status, text)
         return web.Response(text=text, content_type="application/json")
 
 
-async def start_http(service: Service, host: str, port: int) -> web.AppRunner:
-    """Serve the HTTP API of `service`'s replicas; stop with `await runner.cleanup()`."""
-    handlers = _Handlers(service)
+async def _answer(replica: Replica, body: dict[str, Any]) -> tuple[int, str]:
+    """(HTTP status, JSON text or error message) of one query, on the member's loop: the
+    answer is serialized there too, since it may be the application's live state."""
+    try:
+        answer = await replica.query(body)
+    except QueryError as err:
+        return 400, str(err) or type(err).__name__
+    except Exception as err:
+        log.warning("query of shard %s failed: %s: %s", replica.id, type(err).__name__, err)
+        return 500, f"query failed: {type(err).__name__}: {err}"
+    try:
+        return 200, json.dumps(answer)
+    except (TypeError, ValueError) as err:
+        return 500, f"the query's answer is not JSON-serializable: {err}"
+
+
+def _stuck_in(replica: Replica) -> str:
+    """What a 503 adds when the shard is running a hook right now (likely the stuck one)."""
+    loop = replica.loop
+    if loop is None or loop.hooks.current is None:
+        return ""
+    hook, _, _, _ = loop.hooks.describe(loop.hooks.current)
+    return f" (it is running {hook}: see the member's log for where)"
+
+
+class HttpApi:
+    """The HTTP API of a member's replicas, served from a thread of its own.
+
+    `start()` returns once the server listens; `cleanup()` stops it (the name of
+    aiohttp's AppRunner method it stands in for).
+    """
+
+    def __init__(self, service: Service, query_timeout: float | None = None) -> None:
+        self.service = service
+        self.query_timeout = watchdog.HOOK_TIMEOUT if query_timeout is None else query_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+
+    async def start(self, host: str, port: int, sock: socket.socket | None) -> None:
+        handlers = _Handlers(self.service, asyncio.get_running_loop(), self.query_timeout)
+        started: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._serve, args=(handlers, host, port, sock, started),
+            name="member HTTP API", daemon=True,
+        )
+        self._thread.start()
+        await asyncio.wrap_future(started)
+
+    def _serve(self, handlers: _Handlers, host: str, port: int, sock: socket.socket | None,
+               started: concurrent.futures.Future[None]) -> None:
+        loop = self._loop = asyncio.new_event_loop()
+        try:
+            self._runner = loop.run_until_complete(_start_site(handlers, host, port, sock))
+        except BaseException as err:
+            started.set_exception(err)
+            loop.close()
+            return
+        started.set_result(None)
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    async def cleanup(self) -> None:
+        """Stop serving: in-flight requests get aiohttp's shutdown timeout."""
+        loop, runner, thread = self._loop, self._runner, self._thread
+        self._runner = self._thread = None
+        if loop is None or runner is None or thread is None:
+            return
+        done = asyncio.run_coroutine_threadsafe(runner.cleanup(), loop)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(done), _SHUTDOWN_TIMEOUT + 1)
+        except TimeoutError:
+            log.warning("the HTTP API did not stop within %gs", _SHUTDOWN_TIMEOUT + 1)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            await asyncio.to_thread(thread.join, _SHUTDOWN_TIMEOUT)
+
+
+async def start_http(
+    service: Service,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    sock: socket.socket | None = None,
+    query_timeout: float | None = None,
+) -> HttpApi:
+    """Serve the HTTP API of `service`'s replicas on `host:port`, or on `sock` (bound and
+    listening: the caller chose the port for real); stop with `await api.cleanup()`."""
+    api = HttpApi(service, query_timeout)
+    await api.start(host, port, sock)
+    return api
+
+
+async def _start_site(
+    handlers: _Handlers, host: str, port: int, sock: socket.socket | None
+) -> web.AppRunner:
     app = web.Application(client_max_size=16 << 20)
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/status", handlers.status)
@@ -105,7 +215,8 @@ async def start_http(service: Service, host: str, port: int) -> web.AppRunner:
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=_SHUTDOWN_TIMEOUT)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
+        await site.start()
     except BaseException:
         await runner.cleanup()
         raise

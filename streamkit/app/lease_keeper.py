@@ -71,8 +71,11 @@ class LeaseKeeper:
     def _run(self) -> None:
         try:
             asyncio.run(self._keep_alive())
-        except Exception:  # the allocator sees answered_at age and gives the lease up
-            log.exception("the lease keeper of %s failed", self.name)
+        except Exception as error:
+            if self._stop.is_set():  # e.g. the process exiting under a KeySpace call
+                log.debug("the lease keeper of %s ended: %r", self.name, error)
+            else:  # the allocator sees answered_at age and gives the lease up
+                log.exception("the lease keeper of %s failed", self.name)
 
     async def _keep_alive(self) -> None:
         keyspace = self._keyspace.reopen()

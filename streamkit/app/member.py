@@ -89,7 +89,9 @@ class MemberOptions:
     file_root: Path | None = None  # the broker's file store, read directly when local
     lease_ttl: float = 1.0
     hint_interval: float = 60.0
-    hook_timeout: float | None = None  # seconds a hook may run before it's logged (watchdog)
+    # Seconds a hook may run before the watchdog logs it (None: streamkit.yaml's
+    # transactions.hook_timeout); a query over HTTP gets as long.
+    hook_timeout: float | None = None
 
     def member_id(self) -> MemberId:
         return MemberId(self.zone, self.suffix or f"{socket.gethostname()}-{os.getpid()}")
@@ -125,7 +127,11 @@ class Member:
             file_root=options.file_root,
             hint_interval=options.hint_interval,
             is_primary_here=self._is_primary_here if options.allocate else None,
-            watchdog=Watchdog(options.hook_timeout),
+            watchdog=Watchdog(
+                config.transactions.hook_timeout.total_seconds()
+                if options.hook_timeout is None
+                else options.hook_timeout
+            ),
         )
         self.service = Service(self.runtime)
         self.allocator: Allocator | None = None
