@@ -1,16 +1,65 @@
-"""Shared fixtures: real broker processes on 127.0.0.1."""
+"""Shared fixtures: real broker processes on 127.0.0.1; seeded randomness; a suite that
+cannot flake (see tests/waiting.py for polling instead of sleeping, and helper threads)."""
 
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from tests.brokerproc import BrokerProcess
 from tests.postgres import postgres_url  # noqa: F401
 from tests.s3server import aws_env, s3_endpoint, s3_url  # noqa: F401 (shared fixtures)
+
+# --- randomness that can be replayed --------------------------------------------------------
+
+SEED_ENV = "STREAMKIT_TEST_SEED"
+
+
+@pytest.fixture
+def seed(request: pytest.FixtureRequest) -> int:
+    """This test's random seed: $STREAMKIT_TEST_SEED if set (to replay a failure), else a
+    fresh one. It is printed, and pytest shows a failed test's output, so that every failure
+    names the seed that replays it."""
+    chosen = os.environ.get(SEED_ENV)
+    value = int(chosen) if chosen else random.SystemRandom().randrange(1 << 32)
+    print(
+        f"random seed: {SEED_ENV}={value} (replay: {SEED_ENV}={value} pytest "
+        f"'{request.node.nodeid}')"
+    )
+    request.node.user_properties.append(("random_seed", value))
+    return value
+
+
+@pytest.fixture
+def rng(seed: int) -> random.Random:
+    """The test's random generator, seeded with `seed` (printed)."""
+    return random.Random(seed)
+
+
+# Hypothesis: the same examples on every run (derandomize: a run that passed passes again),
+# no per-example time limit (a wall-clock bound that a loaded machine breaks) and no
+# too_slow health check (the same); a failure prints its @reproduce_failure blob. To explore
+# new examples instead: HYPOTHESIS_PROFILE=explore (failures then also print the blob, and
+# Hypothesis' example database replays them).
+_NO_CLOCK = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+settings.register_profile("streamkit", derandomize=True, print_blob=True, **_NO_CLOCK)
+settings.register_profile("explore", print_blob=True, **_NO_CLOCK)  # with the example database
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "streamkit"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # An exception that escapes a thread fails the test (pytest only warns by default).
+    # Tests start helper threads as tests.waiting.Worker, whose join() re-raises; this is the
+    # net under everything else.
+    config.addinivalue_line("filterwarnings", "error::pytest.PytestUnhandledThreadExceptionWarning")
+
+
+# --- brokers -------------------------------------------------------------------------------
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ import yaml
 
 from streamkit.app.assignment import AllocState
 from streamkit.app.config import AppConfig, load_config
-from streamkit.app.shard_api import read_state
+from streamkit.app.shard_ops import read_state
 from streamkit.client import AppendService, BrokerClient
 from streamkit.client.appender import write_head
 from streamkit.client.broker_client import normalize_address
@@ -38,6 +38,7 @@ from streamkit.message.reader import ReadCommitted, ReadUncommitted
 from streamkit.protocol import consumer_pb
 from streamkit.protocol import consumer_pb2_grpc as consumer_grpc
 from streamkit.testing import read_journals
+from tests.waiting import eventually
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "wordcount"
@@ -197,21 +198,6 @@ class Feeder:
 # --- observing the app ------------------------------------------------------------------------
 
 
-async def eventually(predicate: Callable[[], Any], timeout: float, what: str,
-                     interval: float = 0.05) -> Any:
-    """Poll async or sync `predicate` until it returns something truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(interval)
-
-
 class AppView:
     """The test's view of a running app: its KeySpace, members, shards and output."""
 
@@ -259,7 +245,7 @@ class AppView:
         for endpoint in set(found.values()):  # a killed member's keys outlive it a while
             shard = next(s for s, e in found.items() if e == endpoint)
             try:
-                await self.stat(endpoint, shard, timeout=2.0)
+                await self.stat(endpoint, shard, timeout=10.0)  # generous: a busy machine
             except (grpc.aio.AioRpcError, AssertionError):
                 return None
         return found
@@ -293,7 +279,7 @@ class AppView:
                 return None
             endpoint = self.endpoint_of(state, primary.member)
         try:
-            await asyncio.gather(*(self.stat(endpoint, shard, timeout=1.0) for shard in shards))
+            await asyncio.gather(*(self.stat(endpoint, shard, timeout=10.0) for shard in shards))
             await self.query_counts({shard: endpoint for shard in shards}, ["w0"])
         except Exception:
             return None

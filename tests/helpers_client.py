@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
-import time
 import urllib.request
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from google.protobuf.duration_pb2 import Duration
 
 from streamkit.client import BrokerClient, RetryReader, apply_journals
 from streamkit.protocol import pb
+from tests.waiting import eventually  # noqa: F401 (re-exported to the client tests)
 
 
 def unique_name(prefix: str = "test") -> str:
@@ -57,22 +55,6 @@ async def read_range(client: BrokerClient, journal: str, begin: int, end: int) -
         async for chunk in reader:
             out += chunk
     return bytes(out)
-
-
-async def eventually(
-    check: Callable[[], Awaitable[bool]] | Callable[[], bool], timeout: float = 10.0
-) -> None:
-    """Poll `check` until it is true; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await asyncio.sleep(0.05)
 
 
 def fragment_files(data_dir: Path, journal: str) -> list[Path]:

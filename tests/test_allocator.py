@@ -39,6 +39,7 @@ from streamkit.app.assignment import (
 from streamkit.app.solver import Placement, moves, placement_of, solve
 from streamkit.keyspace import Delete, KeyValue, Put, SQLiteKeySpace
 from streamkit.protocol import consumer_pb
+from tests.waiting import DEADLINE
 
 REPO = Path(__file__).resolve().parent.parent
 ROOT = "/gazette/consumers/test"
@@ -571,7 +572,11 @@ def settled(items: list[str], members: set[MemberId]) -> Callable[[AllocState], 
     return check
 
 
-async def wait(alloc: Allocator, predicate: Callable[[AllocState], bool], timeout: float = 5.0):
+async def wait(
+    alloc: Allocator, predicate: Callable[[AllocState], bool], timeout: float = DEADLINE
+):
+    """Until `alloc`'s view satisfies `predicate`. The deadline only bounds a broken test:
+    how fast the allocator converges is a measurement (bench/), printed here at most."""
     async with asyncio.timeout(timeout):
         return await alloc.wait_for(predicate)
 
@@ -611,13 +616,13 @@ async def test_graceful_leave_promotes_standbys(ks: SQLiteKeySpace, tmp_path: Pa
             start = await ks.revision()
             t0 = time.monotonic()
             await b.leave()
-        await wait(a, settled(items, {A}), timeout=2.0)
+        await wait(a, settled(items, {A}))
         elapsed = time.monotonic() - t0
         print(f"graceful leave: all primaries at A after {elapsed * 1000:.0f} ms")
         # The slot-0 keys of B's former shards first appeared as STANDBY: promoted, not fresh.
         kvs_seen: dict[str, bytes] = {}
         async with contextlib.aclosing(ks.watch(f"{ROOT}/assign/", start)) as events:
-            async with asyncio.timeout(2):
+            async with asyncio.timeout(DEADLINE):
                 async for batch in events:
                     for e in batch:
                         if e.kind == "put":
@@ -635,7 +640,7 @@ async def test_crashed_leader_is_replaced(ks: SQLiteKeySpace, tmp_path: Path) ->
         assert a.is_leader
         t0 = time.monotonic()
         await a.close()  # stops keepalives: A's keys linger until the lease lapses
-        await wait(b, settled(items, {B}), timeout=2.0)
+        await wait(b, settled(items, {B}))
         print(f"leader crash: B primary for all after {time.monotonic() - t0:.2f} s (ttl 0.6)")
         assert b.is_leader
 
@@ -694,7 +699,7 @@ async def test_killed_process_fails_over_to_standby(
     try:
         async with member(db, A, ttl=ttl) as a:
             proc = proc or await spawn()
-            await wait(a, settled(items, {A, B}), timeout=10)
+            await wait(a, settled(items, {A, B}))
             assert a.is_leader is not child_leads
             lost = {x.item for x in a.state.assignments if x.slot == 0 and x.member == B}
             assert len(lost) == 4
@@ -705,14 +710,13 @@ async def test_killed_process_fails_over_to_standby(
             def promoted(state: AllocState) -> bool:
                 return all((p := state.primary_of(i)) is not None and p.member == A for i in lost)
 
-            await wait(a, promoted, timeout=2.0)
+            await wait(a, promoted)
             elapsed = time.monotonic() - t0
             print(
                 f"SIGKILL ({'leader' if child_leads else 'follower'}): promoted in {elapsed:.2f} s"
             )
-            assert elapsed < 2.0
             assert a.is_leader
-            await wait(a, settled(items, {A}), timeout=2.0)
+            await wait(a, settled(items, {A}))
     finally:
         if proc and proc.returncode is None:
             proc.kill()
@@ -772,7 +776,14 @@ async def test_failed_primary_stays_until_unassigned(ks: SQLiteKeySpace, tmp_pat
         failed = consumer_pb.ReplicaStatus(code=FAILED, errors=["boom"])
         assert await a.update_status(primary, failed) is not None
         async with member(db, C):
-            await asyncio.sleep(0.5)  # rebalancing onto C happens around the failure
+            # Rebalancing onto C happens around the failure: until C serves its share.
+            await wait(
+                a,
+                lambda s: (
+                    bool(mine := s.assignments_of_member(C))
+                    and all(x.code == (PRIMARY if x.slot == 0 else STANDBY) for x in mine)
+                ),
+            )
             kept = a.state.primary_of(items[0])
             assert kept is not None and kept.key == primary.key and kept.code == FAILED
             assert list(kept.status.errors) == ["boom"]
@@ -785,7 +796,6 @@ async def test_failed_primary_stays_until_unassigned(ks: SQLiteKeySpace, tmp_pat
                     and p.code == PRIMARY
                     and p.member != primary.member
                 ),
-                timeout=2.0,
             )
             assert len(state.assignments_of(items[0])) == 2
 

@@ -28,6 +28,7 @@ from tests.test_app_runtime import (
     _specs,
     _wait_processed,
 )
+from tests.waiting import DEADLINE
 
 Code = consumer_pb.ReplicaStatus.Code
 
@@ -73,7 +74,7 @@ async def _head(client: BrokerClient, journal: str) -> int:
 
 
 async def _wait_read(replica: Any, journal: str, offset: int) -> None:
-    await asyncio.wait_for(replica.shard.progress.wait_for({journal: offset}), 10)
+    await asyncio.wait_for(replica.shard.progress.wait_for({journal: offset}), DEADLINE)
 
 
 async def test_read_sources_beyond_the_spec(shared_broker: Any, tmp_path: Path) -> None:
@@ -142,15 +143,15 @@ async def test_stat_maps_read_through(shared_broker: Any, tmp_path: Path) -> Non
         service = Service(runtime)
         await service.assign(specs, {sid: 0 for sid in specs})
         replica = service.replicas["shard-000"]
-        await asyncio.wait_for(_until_primary(replica), 10)
+        await asyncio.wait_for(_until_primary(replica), DEADLINE)
         assert runtime.keyspace is not None
         api = ShardAPI(runtime.keyspace, "/test", service, "grpc://127.0.0.1:1")
         request = consumer_pb.StatRequest(shard="shard-000", read_through={"alias/lines": 1})
         stat = asyncio.ensure_future(api.Stat(request, None))
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # a negative check: nothing was published, nothing may answer
         assert not stat.done(), "Stat answered before the aliased source was read"
         await _publish_lines(client, journals["inputs"], ["a"])
-        response = await asyncio.wait_for(stat, 10)
+        response = await asyncio.wait_for(stat, DEADLINE)
         assert response.status == consumer_pb.OK
         assert response.read_through[journals["inputs"][0]] >= 1
         assert Aliased.asked == [{"alias/lines": 1}]

@@ -27,6 +27,7 @@ from streamkit.message.publisher import Publisher
 from streamkit.message.reader import ReadCommitted
 from streamkit.protocol import consumer_pb, pb
 from tests.helpers_client import create_journal, eventually, unique_name
+from tests.waiting import LIVENESS
 
 NDJSON = {"content-type": "application/x-ndjson"}
 RECOVERY = {"content-type": "application/x-gazette-recoverylog"}
@@ -274,6 +275,6 @@ async def test_stop_with_the_broker_gone_abandons_the_transaction(
         await _publish_lines(client, journals["inputs"], ["a b"] * 20)
         await _wait_processed(service, client, journals["inputs"])
         broker_proc.kill()
-        started = asyncio.get_running_loop().time()
-        await service.stop(timeout=1.0)
-        assert asyncio.get_running_loop().time() - started < 5
+        # A liveness bound: that stop returns at all (how soon is for bench/, not a test).
+        async with asyncio.timeout(LIVENESS):
+            await service.stop(timeout=1.0)

@@ -32,7 +32,13 @@ from streamkit.app.member import Member, MemberOptions, deploy
 from streamkit.backfill.errors import BackfillError
 from streamkit.backfill.plan import BackfillPlan, cover, make_plan
 from streamkit.backfill.source import merge_by_time
-from streamkit.client import BrokerClient, append_bytes, list_journals, write_head
+from streamkit.client import (
+    BrokerClient,
+    append_bytes,
+    list_fragments,
+    list_journals,
+    write_head,
+)
 from streamkit.client.append_service import AppendService
 from streamkit.client.listing import apply_journals
 from streamkit.keyspace import open_keyspace
@@ -47,6 +53,7 @@ from tests.brokerproc import BrokerProcess
 from tests.conftest import unavailable
 from tests.e2e import totals_of_updates
 from tests.test_wordcount import generate_lines
+from tests.waiting import eventually
 
 try:
     import pyspark  # noqa: F401
@@ -242,6 +249,20 @@ async def small_fragments(setup: Setup, topic: str) -> None:
     await apply_journals(setup.client, changes)
 
 
+async def rolled_fragments_persisted(setup: Setup, topic: str) -> None:
+    """Until the broker persisted every fragment it rolled: all but each journal's open
+    spool (listed without a backing store) are files a backfill reads directly."""
+
+    async def persisted() -> bool:
+        for journal in setup.config.topic_journals(topic):
+            listed = await list_fragments(setup.client, journal)
+            if sum(not f.spec.backing_store for f in listed.fragments) > 1:
+                return False
+        return True
+
+    await eventually(persisted, what=f"the rolled fragments of {topic} to be persisted")
+
+
 async def backfill(sc: Any, plan: BackfillPlan) -> list[dict[str, Any]]:
     from streamkit.backfill.spark import run_on_spark
 
@@ -300,7 +321,7 @@ async def test_wordcount_backfill_then_live_equals_live(
     try:
         await small_fragments(a, "wordcount/lines")
         await publish(a, "wordcount/lines", first[:-40])
-        await asyncio.sleep(0.5)  # let the broker persist the rolled fragments
+        await rolled_fragments_persisted(a, "wordcount/lines")
         await publish(a, "wordcount/lines", first[-40:])  # less than a fragment: still spooled
         plan = await a.plan()
         journals = [j for shard in plan.shards for j in shard.journals]
@@ -596,7 +617,7 @@ async def test_unreadable_fragment_is_named(sc: Any, broker_proc: BrokerProcess,
         await small_fragments(setup, "wordcount/lines")
         await publish(setup, "wordcount/lines",
                       [{"id": i, "line": line} for i, line in enumerate(generate_lines(1500))])
-        await asyncio.sleep(0.5)
+        await rolled_fragments_persisted(setup, "wordcount/lines")
         plan = await setup.plan()
         journal = next(j for shard in plan.shards for j in shard.journals if j.bytes_direct)
         segment = next(s for s in journal.segments if s.direct)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
-import threading
+import random
 
 import grpc
 import pytest
@@ -14,6 +13,7 @@ from streamkit.protocol import pb
 from streamkit.protocol.fragments import digest_of
 from streamkit.protocol.labels import label_set, parse_selector
 from tests import wire
+from tests.waiting import Worker, join_all
 
 # GZIP_OFFLOAD_DECOMPRESSION needs a store that honours Content-Encoding (not file://).
 CODECS = [pb.NONE, pb.GZIP, pb.ZSTANDARD, pb.SNAPPY]
@@ -49,7 +49,8 @@ def test_append_then_read_round_trip(journals, request) -> None:
 def test_rollover_persist_and_read_back_every_codec(journals, request, codec) -> None:
     name = _name(request)
     wire.create(journals, wire.spec(name, length=4096, codec=codec))
-    blocks = [os.urandom(1000) + bytes(1500) for _ in range(12)]  # mixed compressibility
+    # Mixed compressibility; random bytes, but the same on every run.
+    blocks = [random.Random(i).randbytes(1000) + bytes(1500) for i in range(12)]
     for block in blocks:
         assert wire.append(journals, name, block).status == pb.OK
     expected = b"".join(blocks)
@@ -149,11 +150,11 @@ def test_blocking_read_wakes_on_append(journals, request) -> None:
                 if len(got) >= 6:
                     stream.cancel()
 
-    reader = threading.Thread(target=consume)
+    reader = Worker(consume, name="blocking reader")
     reader.start()
     wire.append(journals, name, b"abc")
     wire.append(journals, name, b"def")
-    reader.join(10)
+    reader.join()
     assert bytes(got) == b"abcdef"
     tail = journals.Read(pb.ReadRequest(journal=name, offset=-1, block=False))
     assert next(iter(tail)).status == pb.OFFSET_NOT_YET_AVAILABLE
@@ -169,11 +170,10 @@ def test_concurrent_appenders_never_interleave(journals, request) -> None:
             parts = [bytes([65 + tag]) * chunk for _ in range(4)]
             assert wire.append(journals, name, *parts).status == pb.OK, (tag, i)
 
-    threads = [threading.Thread(target=write, args=(t,)) for t in range(writers)]
+    threads = [Worker(write, t, name=f"appender {t}") for t in range(writers)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(60)
+    join_all(threads)  # an appender's failed assertion fails the test
     content = wire.read(journals, name)[0]
     assert len(content) == writers * per_writer * 4 * chunk
     for at in range(0, len(content), 4 * chunk):
@@ -184,7 +184,7 @@ def test_concurrent_appenders_never_interleave(journals, request) -> None:
 def test_do_not_proxy_returns_fragment_url(journals, request) -> None:
     name = _name(request)
     wire.create(journals, wire.spec(name, length=1024, codec=pb.ZSTANDARD))
-    wire.append(journals, name, os.urandom(2048))
+    wire.append(journals, name, random.Random(2048).randbytes(2048))  # incompressible
     wire.append(journals, name, b"tail")
     wire.wait_until(lambda: any(f.backing_store for f in wire.fragments(journals, name)))
     content, metadata = wire.read(journals, name, do_not_proxy=True)

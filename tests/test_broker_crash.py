@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -13,6 +13,8 @@ import grpc
 from streamkit.protocol import pb
 from tests import wire
 from tests.brokerproc import BrokerProcess
+from tests.helpers_client import open_reads
+from tests.waiting import DEADLINE, LIVENESS, Worker
 
 JOURNAL = "crash/records"
 
@@ -22,17 +24,18 @@ def _record(i: int) -> bytes:
     return (f"{i:08d}|".encode() * (1 + i % 97)) + b"\n"
 
 
-class Writer(threading.Thread):
-    """Appends records one by one, remembering exactly which were acknowledged."""
+class Writer(Worker):
+    """Appends records one by one, remembering exactly which were acknowledged; `join`
+    raises what went wrong in it (an append refused, rather than cut off by the kill)."""
 
     def __init__(self, address: str, start_at: int) -> None:
-        super().__init__(daemon=True)
+        super().__init__(self._append_until_cut_off, name=f"writer from record {start_at}")
         self.journals = wire.stub(address)
         self.next = start_at
         self.acked: list[tuple[int, int, bytes]] = []
         self.in_flight: bytes | None = None
 
-    def run(self) -> None:
+    def _append_until_cut_off(self) -> None:
         while True:
             record = _record(self.next)
             self.in_flight = record
@@ -66,9 +69,10 @@ def test_sigkill_during_appends_and_persists_loses_nothing_acknowledged(tmp_path
         for delay in (0.4, 0.9, 0.15):
             writer = Writer(broker.address, next_record)
             writer.start()
-            time.sleep(delay)
+            wire.wait_until(lambda w=writer: w.acked, what="the writer's first acknowledged append")
+            time.sleep(delay)  # the kill moment (what is tested), not synchronisation
             broker.kill()  # mid-append and, with 8 KiB fragments, mid-persist
-            writer.join(10)
+            writer.join()
             acked.extend(writer.acked)
             assert writer.acked, "the writer made no progress before the kill"
             broker.start()
@@ -89,35 +93,51 @@ def test_sigkill_mid_stream_rolls_the_partial_append_back(tmp_path: Path) -> Non
         journals = wire.stub(broker.address)
         wire.create(journals, wire.spec(JOURNAL))
         assert wire.append(journals, JOURNAL, b"committed\n").status == pb.OK
-        sent_half = threading.Event()
+        sent_half, test_over = threading.Event(), threading.Event()
 
         def half_an_append():
             yield pb.AppendRequest(journal=JOURNAL)
             yield pb.AppendRequest(content=b"x" * 300_000)
             sent_half.set()
-            time.sleep(30)  # never finishes: the broker dies first
+            test_over.wait(LIVENESS)  # never finishes: the broker dies first
 
         failed = []
-        streamer = threading.Thread(
-            target=lambda: failed.append(_expect_rpc_error(journals, half_an_append())),
-            daemon=True,
+        streamer = Worker(
+            lambda: failed.append(_expect_rpc_error(journals, half_an_append())),
+            name="half an append",
         )
         streamer.start()
-        assert sent_half.wait(10)
-        time.sleep(0.3)  # let the broker write the chunk into its spool
+        assert sent_half.wait(DEADLINE)
+        spools = broker.data_dir / "journals" / JOURNAL / "@spool"
+        wire.wait_until(
+            lambda: sum(p.stat().st_size for p in spools.glob("*.spool"))
+            >= len(b"committed\n") + 300_000,
+            what="the broker to write the chunk into its spool",
+        )
         broker.kill()
+        streamer.join()
+        assert failed == [True], "the append should fail with the broker"
         broker.start()
         journals = wire.stub(broker.address)
         assert wire.read(journals, JOURNAL)[0] == b"committed\n"
         assert wire.append(journals, JOURNAL, b"next\n").commit.begin == len(b"committed\n")
     finally:
+        test_over.set()
         broker.kill()
 
 
-def _tail_http(broker: BrokerProcess) -> None:
-    url = f"{broker.http_url}/{JOURNAL}?offset=-1&block=true"
-    with contextlib.suppress(OSError):
-        urllib.request.urlopen(url, timeout=30).read()
+def _tail_http(broker: BrokerProcess, sent: threading.Event) -> None:
+    """A blocking HTTP read from the write head: no header comes before new content, so
+    `sent` marks the request as sent (the broker has it, in its socket at least)."""
+    connection = http.client.HTTPConnection("127.0.0.1", broker.port + 1, timeout=LIVENESS)
+    try:
+        connection.request("GET", f"/{JOURNAL}?offset=-1&block=true")
+        sent.set()
+        # The broker stopping ends the read, cleanly or by cutting the connection.
+        with contextlib.suppress(OSError, http.client.HTTPException):
+            connection.getresponse().read()
+    finally:
+        connection.close()
 
 
 def _expect_rpc_error(journals, requests) -> bool:
@@ -128,7 +148,7 @@ def _expect_rpc_error(journals, requests) -> bool:
     return False
 
 
-def test_sigterm_stops_quickly_and_persists_spools(tmp_path: Path) -> None:
+def test_sigterm_stops_and_persists_spools(tmp_path: Path) -> None:
     broker = BrokerProcess(tmp_path / "broker").start()
     journals = wire.stub(broker.address)
     wire.create(journals, wire.spec(JOURNAL, length=1 << 20, codec=pb.ZSTANDARD))
@@ -136,13 +156,18 @@ def test_sigterm_stops_quickly_and_persists_spools(tmp_path: Path) -> None:
     wire.append(journals, JOURNAL, payload)
     # Tailing readers, over gRPC and HTTP, must not hold the shutdown open.
     tail = journals.Read(pb.ReadRequest(journal=JOURNAL, offset=-1, block=True))
-    http_tail = threading.Thread(target=_tail_http, args=(broker,), daemon=True)
+    sent = threading.Event()
+    http_tail = Worker(_tail_http, broker, sent, name="HTTP tail")
     http_tail.start()
-    time.sleep(0.3)
-    started = time.monotonic()
-    assert broker.terminate() == 0, broker.log()
-    assert time.monotonic() - started < 8
+    wire.wait_until(
+        lambda: sent.is_set() and open_reads(broker.http_url) >= 1,
+        what="the gRPC tail to be served and the HTTP tail's request sent",
+    )
+    # A liveness bound: the tails must not hold the shutdown open. How quickly the broker
+    # stops is a measurement, for bench/.
+    assert broker.terminate(timeout=LIVENESS) == 0, broker.log()
     tail.cancel()
+    http_tail.join()
     stored = list((tmp_path / "broker" / "fragments" / JOURNAL).glob("*.zst"))
     assert len(stored) == 1 and stored[0].name.startswith(f"{0:016x}-{len(payload):016x}-")
     broker.start()

@@ -223,7 +223,7 @@ def test_a_trickling_appender_is_rolled_back_and_frees_the_journal(
         yield pb.AppendRequest(journal="slow/trickle")
         for _ in range(60):  # a byte every half second: far below 64 KiB/s
             yield pb.AppendRequest(content=b"x")
-            time.sleep(0.5)
+            time.sleep(0.5)  # pacing the appender: its slowness is what is tested
         yield pb.AppendRequest()
 
     with pytest.raises(grpc.RpcError) as aborted:  # by the rate rule, not the 30 s stall one

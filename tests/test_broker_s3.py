@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import random
 import urllib.request
 from pathlib import Path
 
@@ -19,7 +19,7 @@ def test_fragments_persist_to_s3_and_read_back(tmp_path: Path, s3_url: str) -> N
         name = "s3/events"
         wire.create(journals, wire.spec(name, length=4096, codec=pb.GZIP_OFFLOAD_DECOMPRESSION,
                                         stores=[s3_url]))
-        blocks = [os.urandom(700) + bytes(2000) for _ in range(6)]
+        blocks = [random.Random(i).randbytes(700) + bytes(2000) for i in range(6)]
         for block in blocks:
             assert wire.append(journals, name, block).status == pb.OK
         expected = b"".join(blocks)

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import queue
+import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections import Counter
@@ -28,9 +27,10 @@ import yaml
 from streamkit.cli.errors import CliError, explain, reporting_errors
 from streamkit.protocol import pb
 from streamkit.protocol.fragments import content_path
-from streamkit.protocol.spec import load_specs
+from streamkit.protocol.spec_tree import load_specs
 from tests import wire
 from tests.brokerproc import BrokerProcess, free_port
+from tests.waiting import LIVENESS, Worker
 
 CLI = [sys.executable, "-m", "streamkit.cli.main", "journals"]
 
@@ -170,7 +170,7 @@ def test_list_formats_and_selectors(shared_broker: BrokerProcess, tmp_path: Path
 def test_append_raw_and_read_back(shared_broker: BrokerProcess, tmp_path: Path) -> None:
     p = create_tree(shared_broker, tmp_path)
     journal = f"{p}raw"
-    first = os.urandom(700)
+    first = _noise(700)
     result = run(shared_broker, "append", journal, input=first)
     assert result.returncode == 0 and result.stdout == b""
     assert f"appended 700 bytes to {journal} at offsets [0, 700)" in result.stderr.decode()
@@ -213,16 +213,23 @@ def test_append_lines_spread_over_journals(shared_broker: BrokerProcess,
     assert "input line 1" in err
 
 
-def _lines_of(stream) -> queue.Queue[bytes]:
-    """The lines a pipe yields, collected by a thread so a test can wait with a timeout."""
+def _noise(size: int) -> bytes:
+    """`size` incompressible bytes, the same on every run (seeded by the size)."""
+    return random.Random(size).randbytes(size)
+
+
+def _lines_of(stream) -> tuple[queue.Queue[bytes], Worker]:
+    """The lines a pipe yields, collected by a thread so a test can wait with a timeout;
+    join the thread (once the pipe ended) to have its failure, if any, raised."""
     lines: queue.Queue[bytes] = queue.Queue()
 
     def pump() -> None:
         for line in iter(stream.readline, b""):
             lines.put(line)
 
-    threading.Thread(target=pump, daemon=True).start()
-    return lines
+    pump_thread = Worker(pump, name="stdout pump")
+    pump_thread.start()
+    return lines, pump_thread
 
 
 def test_read_tail_block_sees_later_append_and_stops_on_sigint(
@@ -237,7 +244,7 @@ def test_read_tail_block_sees_later_append_and_stops_on_sigint(
                              str(offsets), "--broker", shared_broker.address],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        seen = _lines_of(proc.stdout)
+        seen, pump = _lines_of(proc.stdout)
         first = None
         for attempt in range(60):  # until the reader, once started, sees one
             wire.append(stub, journal, f"late-{attempt}\n".encode())
@@ -248,7 +255,8 @@ def test_read_tail_block_sees_later_append_and_stops_on_sigint(
                 continue
         assert first is not None and first.startswith(b"late-")
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=15) == 0
+        assert proc.wait(timeout=LIVENESS) == 0
+        pump.join()  # the pipe ended with the process
     finally:
         proc.kill()
     assert b"Traceback" not in proc.stderr.read()
@@ -259,12 +267,12 @@ def test_read_tail_block_sees_later_append_and_stops_on_sigint(
 def test_read_into_closed_pipe_is_quiet(shared_broker: BrokerProcess, tmp_path: Path) -> None:
     p = create_tree(shared_broker, tmp_path)
     stub = wire.stub(shared_broker.address)
-    wire.append(stub, f"{p}raw", os.urandom(1 << 20))
+    wire.append(stub, f"{p}raw", _noise(1 << 20))
     proc = subprocess.Popen([*CLI, "read", f"{p}raw", "--broker", shared_broker.address],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert len(proc.stdout.read(10)) == 10
     proc.stdout.close()  # as `| head -c 10` does
-    assert proc.wait(timeout=15) == 0
+    assert proc.wait(timeout=LIVENESS) == 0
     assert proc.stderr.read() == b""
 
 
@@ -284,7 +292,7 @@ def _persisted(stub, journal: str, count: int) -> list[pb.Fragment]:
 def _roll(stub, journal: str, *sizes: int) -> None:
     """Appends of these sizes; each one after the first rolls a fragment over 1 KiB."""
     for size in sizes:
-        wire.append(stub, journal, os.urandom(size))
+        wire.append(stub, journal, _noise(size))
 
 
 def test_fragments_after_rollover(shared_broker: BrokerProcess, tmp_path: Path) -> None:
@@ -320,6 +328,8 @@ fragment: {{length: 1024, compression_codec: GZIP, refresh_interval: 1s, retenti
     stub = wire.stub(shared_broker.address)
     _roll(stub, journal, 1500, 1500, 10)
     old, last = _persisted(stub, journal, 2)
+    # Kept: not synchronisation with another process, but waiting for the wall clock that
+    # the retention rule reads (mod_time in whole seconds, retention 1 s) to pass both.
     time.sleep(max(0.0, last.mod_time + 2.1 - time.time()))  # both are past retention
     root = shared_broker.data_dir / "fragments"
     files = [root / content_path(f) for f in (old, last)]

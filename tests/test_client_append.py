@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -18,7 +19,8 @@ from streamkit.client import (
 )
 from streamkit.protocol.labels import label_set, parse_selector
 from tests.brokerproc import BrokerProcess
-from tests.helpers_client import create_journal, read_range, unique_name
+from tests.helpers_client import create_journal, eventually, read_range, unique_name
+from tests.waiting import DEADLINE
 
 
 @pytest.fixture
@@ -89,7 +91,7 @@ async def test_service_dependencies_order_journals(client: BrokerClient) -> None
         held.write(b"first")
         later = await service.append(second, b"second", dependencies=[held.future])
         assert service.pending_except(second) == [held.future]
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # a negative check: for this long, `later` must not finish
         assert not later.done()  # waits for `first`, still held by us
         held.release()
         await later
@@ -138,7 +140,10 @@ async def test_service_failure_propagates(client: BrokerClient) -> None:
         assert (await (OpFuture.finished())).status == 0
 
 
-async def test_service_retries_across_broker_restart(broker_proc: BrokerProcess) -> None:
+async def test_service_retries_across_broker_restart(
+    broker_proc: BrokerProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="streamkit.client.appender")
     async with BrokerClient(broker_proc.address) as client, AppendService(client) as service:
         journal = await _journal(client)
         records = [b"%04d;" % i for i in range(400)]
@@ -147,9 +152,12 @@ async def test_service_retries_across_broker_restart(broker_proc: BrokerProcess)
         await service.flush()
         broker_proc.kill()
         futures = [await service.append(journal, record) for record in records[200:]]
-        await asyncio.sleep(0.5)  # dispatch fails and retries while the broker is down
+        await eventually(  # dispatch fails and retries while the broker is down
+            lambda: any(f"retrying append to {journal}" in r.getMessage() for r in caplog.records),
+            what="a failed dispatch to be retried",
+        )
         assert not futures[-1].done()
         await asyncio.to_thread(broker_proc.start)
-        await asyncio.wait_for(service.flush(), 20)
+        await asyncio.wait_for(service.flush(), DEADLINE)
         assert (await futures[-1]).commit.end == 5 * len(records)
         assert await read_range(client, journal, 0, 5 * len(records)) == b"".join(records)

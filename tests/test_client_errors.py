@@ -43,9 +43,8 @@ def test_is_transient(code: grpc.StatusCode, details: str, transient: bool) -> N
 def test_rpc_failures_keep_their_cause_and_transience(
     code: grpc.StatusCode, details: str, transient: bool
 ) -> None:
-    with pytest.raises(TransportError) as caught:
-        with translating_rpc_errors("list journals"):
-            raise _rpc_error(code, details)
+    with pytest.raises(TransportError) as caught, translating_rpc_errors("list journals"):
+        raise _rpc_error(code, details)
     error = caught.value
     assert isinstance(error, StreamkitError)
     assert isinstance(error, BrokerUnavailable) is transient

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from tests.helpers_client import (
     read_range,
     unique_name,
 )
+from tests.waiting import DEADLINE, Worker
 
 
 @pytest.fixture
@@ -88,34 +88,40 @@ async def test_blocking_read_woken_by_append(client: BrokerClient) -> None:
     await create_journal(client, journal)
     reader = RetryReader(client, pb.ReadRequest(journal=journal, offset=0, block=True))
     first = asyncio.create_task(reader.read())
+    # Kept, a negative check: for this long, with nothing appended, the read must block.
+    # (Whether it blocked before the append below or not, it reads from offset 0: no race.)
     await asyncio.sleep(0.2)
     assert not first.done()
     await append_bytes(client, journal, b"woken")
-    assert await asyncio.wait_for(first, 5) == b"woken"
+    assert await asyncio.wait_for(first, DEADLINE) == b"woken"
 
     # Cancelling a blocked read leaves the reader usable at the same offset.
     blocked = asyncio.create_task(reader.read())
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0)  # one loop step: the read runs into its wait (no clock: no race)
     blocked.cancel()
     with pytest.raises(asyncio.CancelledError):
         await blocked
     assert reader.reader is None and reader.offset == 5
     await append_bytes(client, journal, b" again")
-    assert await asyncio.wait_for(reader.read(), 5) == b" again"
+    assert await asyncio.wait_for(reader.read(), DEADLINE) == b" again"
     reader.close()
 
 
-async def test_read_from_write_head(client: BrokerClient) -> None:
-    journal = unique_name("reader")
-    await create_journal(client, journal)
-    await append_bytes(client, journal, b"old content")
-    reader = RetryReader(client, pb.ReadRequest(journal=journal, offset=-1, block=True))
-    task = asyncio.create_task(reader.read())
-    await asyncio.sleep(0.2)
-    await append_bytes(client, journal, b"new")
-    assert await asyncio.wait_for(task, 5) == b"new"
-    assert reader.offset == len(b"old content") + 3
-    reader.close()
+async def test_read_from_write_head(broker_proc: BrokerProcess) -> None:
+    """Offset -1 is the write head when the broker takes the read: the test waits for that
+    (the broker's gauge of open reads, exact on a broker of its own), then appends."""
+    async with BrokerClient(broker_proc.address) as client:
+        journal = unique_name("reader")
+        await create_journal(client, journal)
+        await append_bytes(client, journal, b"old content")
+        reader = RetryReader(client, pb.ReadRequest(journal=journal, offset=-1, block=True))
+        task = asyncio.create_task(reader.read())
+        await eventually(lambda: open_reads(broker_proc.http_url) == 1,
+                         what="the broker to serve the read")
+        await append_bytes(client, journal, b"new")
+        assert await asyncio.wait_for(task, DEADLINE) == b"new"
+        assert reader.offset == len(b"old content") + 3
+        reader.close()
 
 
 async def test_end_offset_and_seek(client: BrokerClient) -> None:
@@ -201,7 +207,7 @@ def test_fragment_reader_over_http(tmp_path: Path) -> None:
     fragment = _write_fragment(tmp_path, "frag/http", content)
     handler = functools.partial(SimpleHTTPRequestHandler, directory=str(tmp_path))
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread = Worker(server.serve_forever, 0.05, name="fragment server")
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.server_port}/frag/http/{content_name(fragment)}"
@@ -209,6 +215,7 @@ def test_fragment_reader_over_http(tmp_path: Path) -> None:
             assert reader.read() == content
     finally:
         server.shutdown()
+        thread.join()
         server.server_close()
 
 
@@ -220,17 +227,18 @@ async def test_retry_reader_survives_broker_restart(broker_proc: BrokerProcess) 
         reader = RetryReader(client, pb.ReadRequest(journal=journal, offset=0, block=True))
         assert await reader.read() == b"before;"
         pending = asyncio.create_task(reader.read())
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0)  # one loop step: the read runs into its wait (no clock)
         await asyncio.to_thread(broker_proc.restart)
         await append_bytes(client, journal, b"after")
-        assert await asyncio.wait_for(pending, 15) == b"after"
+        assert await asyncio.wait_for(pending, DEADLINE) == b"after"
         assert reader.offset == len(b"before;after")
 
         # Neither a cancelled read nor close() leaves a Read RPC running.
         for stop in ("cancel", "close"):
             blocked = asyncio.create_task(reader.read())
-            await asyncio.sleep(0.2)  # blocked inside the Read RPC
-            assert open_reads(broker_proc.http_url) == 1
+            await asyncio.sleep(0)  # one loop step: the read runs (the RPC may be open already)
+            await eventually(lambda: open_reads(broker_proc.http_url) == 1,
+                             what="the read to be blocked inside its Read RPC")
             if stop == "cancel":
                 blocked.cancel()
             else:

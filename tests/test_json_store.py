@@ -52,14 +52,15 @@ async def new_log(client: BrokerClient) -> str:
     return log
 
 
-def run_and_kill_writer(module: str, *args: str, min_commits: int = 10) -> int:
-    """Run writer `module`, SIGKILL it at a random moment; the last commit it printed.
+def run_and_kill_writer(module: str, *args: str, rng: random.Random,
+                        min_commits: int = 10) -> int:
+    """Run writer `module`, SIGKILL it at a random moment (drawn from the test's seeded
+    `rng`); the last commit it printed.
 
     The writer prints each transaction number once its commit's OpFuture
     resolved, so the recovered checkpoint may be that one or, if a commit was
     in flight at the kill, the next.
     """
-    rng = random.Random()
     proc = subprocess.Popen(
         [sys.executable, "-m", module, *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
@@ -74,7 +75,7 @@ def run_and_kill_writer(module: str, *args: str, min_commits: int = 10) -> int:
             if not line:
                 raise AssertionError(f"writer exited {proc.wait()}: {proc.stderr.read()}")
             last = int(line)
-        time.sleep(rng.uniform(0, 0.05))  # somewhere inside a later commit
+        time.sleep(rng.uniform(0, 0.05))  # the kill moment (what is tested): inside a commit
     finally:
         proc.kill()
     printed = proc.stdout.read().split()  # printed before the kill landed
@@ -170,7 +171,7 @@ async def test_failed_dependency_writes_nothing(
         commit = asyncio.ensure_future(
             store.start_commit(SHARD, checkpoint_of(2), [OpFuture.finished(), pending])
         )
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # a negative check: for this long, nothing may commit
         assert not commit.done()  # still waiting for its dependency
         pending.fail(RuntimeError("append to an output journal failed"))
         with pytest.raises(RuntimeError, match="output journal"):
@@ -224,13 +225,13 @@ async def test_hand_off_fences_the_previous_instance(
 
 
 async def test_sigkilled_writer_recovers_a_whole_commit(
-    shared_broker: BrokerProcess, tmp_path: Path
+    shared_broker: BrokerProcess, tmp_path: Path, rng: random.Random
 ) -> None:
     async with BrokerClient(shared_broker.address) as client:
         log = await new_log(client)
     last = await asyncio.to_thread(
         run_and_kill_writer, "tests.test_json_store",
-        shared_broker.address, log, str(tmp_path / "writer"),
+        shared_broker.address, log, str(tmp_path / "writer"), rng=rng,
     )
     async with BrokerClient(shared_broker.address) as client:
         store = JSONFileStore(await recover(client, log, tmp_path / "standby"), Counts())

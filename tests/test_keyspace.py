@@ -34,6 +34,7 @@ from streamkit.keyspace import (
     TxnResult,
     open_keyspace,
 )
+from tests.waiting import DEADLINE
 
 pytest_plugins = ["tests.etcdproc"]  # the etcd fixtures
 
@@ -118,7 +119,7 @@ async def keyspace(backend: Backend) -> AsyncIterator[KeySpace]:
 async def collect(ks: KeySpace, prefix: str, after: int, until: int) -> list[Event]:
     """Watch `prefix` from `after` until an event at revision `until` arrives."""
     events: list[Event] = []
-    async with asyncio.timeout(5), contextlib.aclosing(ks.watch(prefix, after)) as watch:
+    async with asyncio.timeout(DEADLINE), contextlib.aclosing(ks.watch(prefix, after)) as watch:
         async for batch in watch:
             events.extend(batch)
             if batch[-1].revision >= until:
@@ -354,11 +355,26 @@ async def test_lease_expiry_deletes_keys_visibly(ks: SQLiteKeySpace, db: str) ->
         await ks.put("member/b", b"", lease=lease)
 
 
-async def test_keepalive_holds_and_revoke_releases(ks: SQLiteKeySpace) -> None:
+class FakeClock:
+    """Stands in for the `time` module of streamkit.keyspace.sqlite, whose leases expire by
+    wall-clock time: the test moves time on, so a loaded machine cannot lapse a lease."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def time(self) -> float:
+        return self.now
+
+
+async def test_keepalive_holds_and_revoke_releases(
+    ks: SQLiteKeySpace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr("streamkit.keyspace.sqlite.time", clock)
     lease = await ks.grant(0.15)
     await ks.put("member/a", b"", lease=lease)
     for _ in range(5):
-        await asyncio.sleep(0.05)
+        clock.now += 0.1  # within the TTL of the last keepalive; 0.5 s in all, past the TTL
         assert await ks.keepalive(lease)
     assert await ks.get("member/a") is not None
     await ks.revoke(lease)
@@ -387,11 +403,20 @@ async def test_watch_from_compacted_revision_fails(db: str) -> None:
 
 
 async def test_cancelled_and_closed_watches_end_cleanly(backend: Backend) -> None:
+    async def watch_forever(streaming: asyncio.Event) -> None:
+        async with contextlib.aclosing(ks.watch("", r)) as watch:
+            async for _ in watch:
+                streaming.set()
+        raise AssertionError("watch ended")
+
     ks = backend.open()
     r = await ks.revision()
-    cancelled = asyncio.create_task(collect(ks, "", r, r + 1))
-    closed = asyncio.create_task(collect(ks, "", r, r + 1))
-    await asyncio.sleep(0.05)
+    streaming = [asyncio.Event(), asyncio.Event()]
+    cancelled = asyncio.create_task(watch_forever(streaming[0]))
+    closed = asyncio.create_task(watch_forever(streaming[1]))
+    await ks.put("a", b"")
+    async with asyncio.timeout(DEADLINE):  # both watches are streaming: they saw the put
+        await asyncio.gather(*(s.wait() for s in streaming))
     cancelled.cancel()
     with pytest.raises(asyncio.CancelledError):
         await cancelled

@@ -22,7 +22,8 @@ from streamkit.message.message import Envelope
 from streamkit.message.reader import ReadCommitted, ReadUncommitted
 from streamkit.message.uuid import Flags, build_uuid, new_producer_id
 from tests.brokerproc import BrokerProcess
-from tests.helpers_client import create_journal, unique_name
+from tests.helpers_client import create_journal, eventually, open_reads, unique_name
+from tests.waiting import DEADLINE
 
 CONT, ACK, OUT = Flags.CONTINUE_TXN, Flags.ACK_TXN, Flags.OUTSIDE_TXN
 NDJSON = {"content-type": "application/x-ndjson"}
@@ -79,6 +80,14 @@ async def test_read_uncommitted_sees_every_frame(client: BrokerClient) -> None:
     assert all(a.end == b.begin for a, b in itertools.pairwise(envs))
 
 
+async def stop_consumer(task: asyncio.Task[None]) -> None:
+    """Cancel a consumer task; raise what it failed with, if it failed (never lose it)."""
+    task.cancel()
+    (outcome,) = await asyncio.gather(task, return_exceptions=True)
+    if outcome is not None and not isinstance(outcome, asyncio.CancelledError):
+        raise AssertionError(f"the consumer task failed: {outcome!r}") from outcome
+
+
 async def test_read_committed_waits_for_the_ack(client: BrokerClient) -> None:
     journal = await new_journal(client)
     A, B = new_producer_id(), new_producer_id()
@@ -94,22 +103,22 @@ async def test_read_committed_waits_for_the_ack(client: BrokerClient) -> None:
         await append_bytes(client, journal, [frame(A, 1, CONT, n="a1"), frame(A, 2, CONT, n="a2"),
                                              frame(B, 1, OUT, n="b1")])
         # B's OUTSIDE_TXN message is committed on its own; A's wait for their ACK.
-        assert (await asyncio.wait_for(got.get(), 10))["n"] == "b1"
-        with pytest.raises(TimeoutError):
+        assert (await asyncio.wait_for(got.get(), DEADLINE))["n"] == "b1"
+        with pytest.raises(TimeoutError):  # a negative check: nothing more, for this long
             await asyncio.wait_for(got.get(), 0.5)
         await append_bytes(client, journal, frame(A, 3, ACK))
-        assert [(await asyncio.wait_for(got.get(), 10))["n"] for _ in range(2)] == ["a1", "a2"]
+        acked = [(await asyncio.wait_for(got.get(), DEADLINE))["n"] for _ in range(2)]
+        assert acked == ["a1", "a2"]
         # A rolled-back transaction never shows; the next one does.
         await append_bytes(client, journal, [frame(A, 4, CONT, n="rolled back"),
                                              frame(A, 3, ACK), frame(A, 5, CONT, n="a5"),
                                              frame(A, 4, CONT, n="rolled back"),
                                              frame(A, 6, ACK)])
-        assert (await asyncio.wait_for(got.get(), 10))["n"] == "a5"
+        assert (await asyncio.wait_for(got.get(), DEADLINE))["n"] == "a5"
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(got.get(), 0.3)
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await stop_consumer(task)
 
 
 async def test_read_committed_replays_evicted_messages_and_restarts(
@@ -154,27 +163,30 @@ async def test_read_committed_replays_evicted_messages_and_restarts(
     assert seen == expected
 
 
-async def test_read_committed_from_the_write_head(client: BrokerClient) -> None:
-    journal = await new_journal(client)
-    A = new_producer_id()
-    await append_bytes(client, journal, frame(A, 1, OUT, n="old"))
-    got: asyncio.Queue[dict] = asyncio.Queue()
+async def test_read_committed_from_the_write_head(broker_proc: BrokerProcess) -> None:
+    """Offset -1 is the write head when the broker takes the read: the test waits for that
+    (the broker's gauge of open reads, exact on a broker of its own), then appends."""
+    async with BrokerClient(broker_proc.address) as client:
+        journal = await new_journal(client)
+        A = new_producer_id()
+        await append_bytes(client, journal, frame(A, 1, OUT, n="old"))
+        got: asyncio.Queue[dict] = asyncio.Queue()
 
-    async def consume(reader: ReadCommitted) -> None:
-        async with reader:
-            async for env in reader:
-                got.put_nowait(env.message)
+        async def consume(reader: ReadCommitted) -> None:
+            async with reader:
+                async for env in reader:
+                    got.put_nowait(env.message)
 
-    reader = ReadCommitted(client, journal, offset=-1, block=True)
-    task = asyncio.create_task(consume(reader))
-    try:
-        await asyncio.sleep(0.3)  # let it reach the head
-        await append_bytes(client, journal, [frame(A, 2, CONT, n="new"), frame(A, 3, ACK)])
-        assert (await asyncio.wait_for(got.get(), 10))["n"] == "new"
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-    assert reader.offset > 0
+        reader = ReadCommitted(client, journal, offset=-1, block=True)
+        task = asyncio.create_task(consume(reader))
+        try:
+            await eventually(lambda: open_reads(broker_proc.http_url) == 1,
+                             what="the reader to reach the head")
+            await append_bytes(client, journal, [frame(A, 2, CONT, n="new"), frame(A, 3, ACK)])
+            assert (await asyncio.wait_for(got.get(), DEADLINE))["n"] == "new"
+        finally:
+            await stop_consumer(task)
+        assert reader.offset > 0
 
 
 def cli(broker: BrokerProcess, *args: str) -> subprocess.CompletedProcess[bytes]:

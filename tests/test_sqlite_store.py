@@ -22,6 +22,7 @@ from streamkit.stores.sqlite import JournalMode, SQLiteStore
 from streamkit.stores.store import StoreError
 from tests.brokerproc import BrokerProcess
 from tests.test_json_store import SHARD, checkpoint_of, new_log, run_and_kill_writer, txn_of
+from tests.waiting import DEADLINE
 
 MODES: list[JournalMode] = ["DELETE", "WAL"]
 
@@ -182,9 +183,9 @@ async def test_transaction_ended_by_sqlite_fails_the_commit(
         assert not store.db.in_transaction
         with pytest.raises(apsw.ConstraintError):  # vetoed by the store's commit hook
             store.db.execute("INSERT OR REPLACE INTO kv VALUES (?, x'01')", (key,))
-        op = await asyncio.wait_for(store.start_commit(SHARD, checkpoint_of(2), []), 5)
+        op = await asyncio.wait_for(store.start_commit(SHARD, checkpoint_of(2), []), DEADLINE)
         with pytest.raises(StoreError, match="ended before its commit"):
-            await asyncio.wait_for(op, 5)
+            await asyncio.wait_for(op, DEADLINE)
         await store.destroy()
         await assert_recovers(client, log, tmp_path / "standby", 1, expected_rows(1))
 
@@ -211,13 +212,13 @@ async def test_hand_off_fences_the_previous_instance(
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_sigkilled_writer_recovers_a_whole_commit(
-    shared_broker: BrokerProcess, tmp_path: Path, mode: JournalMode
+    shared_broker: BrokerProcess, tmp_path: Path, mode: JournalMode, rng: random.Random
 ) -> None:
     async with BrokerClient(shared_broker.address) as client:
         log = await new_log(client)
     last = await asyncio.to_thread(
         run_and_kill_writer, "tests.test_sqlite_store",
-        shared_broker.address, log, str(tmp_path / "writer"), mode,
+        shared_broker.address, log, str(tmp_path / "writer"), mode, rng=rng,
     )
     async with BrokerClient(shared_broker.address) as client:
         fs = await recover(client, log, tmp_path / "standby")

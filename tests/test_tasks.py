@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import pytest
 
@@ -20,6 +21,16 @@ async def _stubborn(release: asyncio.Event) -> str:
     return "never"
 
 
+async def _loop_steps_until(condition: Callable[[], object]) -> None:
+    """Let the event loop run until `condition` holds: steps, not time (no clock involved,
+    so a slow machine cannot change the outcome)."""
+    for _ in range(100):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition not met within 100 event-loop steps")
+
+
 async def test_the_tasks_own_cancellation_is_absorbed(caplog: pytest.LogCaptureFixture) -> None:
     task = asyncio.ensure_future(asyncio.sleep(3600))
     await cancel_and_wait(task, "a sleeper")
@@ -34,7 +45,7 @@ async def test_the_callers_cancellation_propagates_while_it_waits() -> None:
     task = asyncio.ensure_future(_stubborn(release))
     await asyncio.sleep(0)
     caller = asyncio.ensure_future(cancel_and_wait(task, "a stubborn task"))
-    await asyncio.sleep(0.01)
+    await _loop_steps_until(task.cancelling)  # the caller cancelled it, and waits
     assert not caller.done()  # waiting for the task to finish its cancellation
     caller.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -49,7 +60,8 @@ async def test_the_callers_cancellation_does_not_cancel_a_task_it_only_waits_for
     done = asyncio.Event()
     task = asyncio.ensure_future(done.wait())
     caller = asyncio.ensure_future(wait_finished(task, "a waiter"))
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0)  # one loop step: the caller runs into its wait for the task
+    assert not caller.done()
     caller.cancel()
     with pytest.raises(asyncio.CancelledError):
         await caller
@@ -75,7 +87,7 @@ async def test_a_caller_already_cancelled_still_waits_while_cleaning_up() -> Non
     running = asyncio.ensure_future(caller())
     await asyncio.sleep(0)
     running.cancel()
-    await asyncio.sleep(0.01)
+    await _loop_steps_until(task.cancelling)  # the caller's finally cancelled it, and waits
     assert not running.done()
     release.set()
     with pytest.raises(asyncio.CancelledError):

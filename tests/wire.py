@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator
 
 import grpc
 from google.protobuf.duration_pb2 import Duration
 
 from streamkit.protocol import pb, pb_grpc
+from tests.waiting import wait_until  # noqa: F401 (the broker tests' wire.wait_until)
 
 
 def stub(address: str) -> pb_grpc.JournalStub:
@@ -77,16 +77,6 @@ def read(journals: pb_grpc.JournalStub, journal: str, offset: int = 0, end: int 
         else:
             metadata.append(response)
     return bytes(content), metadata
-
-
-def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError("condition not met in time")
 
 
 def fragments(journals: pb_grpc.JournalStub, journal: str, **params) -> list[pb.Fragment]:
