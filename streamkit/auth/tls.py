@@ -1,0 +1,172 @@
+"""Endpoint addresses and TLS credentials for gRPC and HTTP, servers and clients.
+
+Addresses take Gazette's forms: `https://host:port` is served over TLS, while
+`http://host:port` and a bare `host:port` are plaintext. (`grpc://host:port`,
+the form streamkit's own endpoints have used, is read as plaintext too.) The
+scheme alone decides, so one flag value tells a client how to dial.
+
+A server needs its certificate and key; given a trusted CA as well it checks
+client certificates, and with `require_client_cert` refuses clients without one
+(mutual TLS). A client trusts the CA given (else the system's roots) and may
+present its own certificate.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import grpc
+
+from streamkit.errors import StreamkitError
+
+__all__ = ["Address", "AddressError", "ClientTls", "ServerTls", "TlsError", "parse_address"]
+
+_PLAINTEXT_SCHEMES = frozenset({"http", "grpc"})
+
+
+class AddressError(StreamkitError, ValueError):
+    """An endpoint address in none of the accepted forms."""
+
+
+class TlsError(StreamkitError, ValueError):
+    """TLS settings that cannot be used: a missing or unreadable file, or a missing part."""
+
+
+@dataclass(frozen=True)
+class Address:
+    """Where to dial or listen, and whether TLS is spoken there."""
+
+    host: str
+    port: int
+    tls: bool = False
+
+    @property
+    def target(self) -> str:
+        """`host:port` as gRPC and sockets take it (IPv6 hosts in brackets)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.target}"
+
+
+def parse_address(text: str, default_port: int | None = None) -> Address:
+    """Read `https://host:port`, `http://host:port` or `host:port` (see the module doc)."""
+    raw = text.strip()
+    scheme = ""
+    if "://" in raw:
+        scheme = raw.split("://", 1)[0].lower()
+        if scheme != "https" and scheme not in _PLAINTEXT_SCHEMES:
+            raise AddressError(
+                f"address {text!r}: scheme must be https:// (TLS) or http:// (plaintext), "
+                f"got {scheme}://"
+            )
+    try:
+        parts = urlsplit(raw if scheme else f"//{raw}")
+        host, port = parts.hostname, parts.port
+    except ValueError as err:
+        raise AddressError(f"address {text!r}: {err}") from None
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        raise AddressError(f"address {text!r}: expected only host:port after the scheme")
+    if not host:
+        raise AddressError(f"address {text!r}: missing host (expected host:port)")
+    if port is None:
+        if default_port is None:
+            raise AddressError(f"address {text!r}: missing port (expected host:port)")
+        port = default_port
+    return Address(host, port, tls=scheme == "https")
+
+
+def _read(path: Path | None, what: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as err:
+        raise TlsError(f"{what} {path}: {err.strerror or err}") from None
+
+
+def _load_chain(context: ssl.SSLContext, cert: Path, key: Path, what: str) -> None:
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as err:
+        raise TlsError(f"{what} {cert} with key {key}: {err}") from None
+
+
+def _load_ca(context: ssl.SSLContext, ca: Path) -> None:
+    try:
+        context.load_verify_locations(cafile=ca)
+    except (OSError, ssl.SSLError) as err:
+        raise TlsError(f"trusted CA file {ca}: {err}") from None
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """A server's TLS settings: its certificate and key; a CA to check client certificates."""
+
+    cert: Path
+    key: Path
+    ca: Path | None = None
+    require_client_cert: bool = False
+
+    def __post_init__(self) -> None:
+        if self.require_client_cert and self.ca is None:
+            raise TlsError("requiring client certificates needs a trusted CA file to check them")
+
+    def grpc_credentials(self) -> grpc.ServerCredentials:
+        """For `server.add_secure_port(address, ...)`."""
+        cert = _read(self.cert, "server certificate file")
+        key = _read(self.key, "server key file")
+        return grpc.ssl_server_credentials(
+            [(key, cert)],
+            root_certificates=_read(self.ca, "trusted CA file"),
+            require_client_auth=self.require_client_cert,
+        )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """For aiohttp's `web.TCPSite(..., ssl_context=...)`."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        _load_chain(context, self.cert, self.key, "server certificate file")
+        if self.ca is not None:
+            _load_ca(context, self.ca)
+            context.verify_mode = (
+                ssl.CERT_REQUIRED if self.require_client_cert else ssl.CERT_OPTIONAL
+            )
+        return context
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """A client's TLS settings: the CA it trusts (else the system's), and its own
+    certificate and key for servers that require one."""
+
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise TlsError("a client certificate needs its key, and a key its certificate")
+
+    def grpc_credentials(self) -> grpc.ChannelCredentials:
+        """For `grpc.aio.secure_channel`."""
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca, "trusted CA file"),
+            private_key=_read(self.key, "client key file"),
+            certificate_chain=_read(self.cert, "client certificate file"),
+        )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """For aiohttp's `ClientSession(connector=TCPConnector(ssl=...))`."""
+        if self.ca is None:
+            context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+        else:  # the CA replaces the system's roots, as it does for gRPC
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            _load_ca(context, self.ca)
+        if self.cert is not None and self.key is not None:
+            _load_chain(context, self.cert, self.key, "client certificate file")
+        return context
