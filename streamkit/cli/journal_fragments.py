@@ -26,7 +26,7 @@ from streamkit.client import BrokerClient, list_fragments
 from streamkit.protocol import pb
 from streamkit.protocol.fragments import content_name, digest_of, fragment_url
 
-__all__ = ["FragmentRow", "fragment_rows", "print_fragments", "prune_journals"]
+__all__ = ["FragmentRow", "fragment_rows", "print_fragments", "prune_journals", "remove_fragment"]
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def expired(fragments: list[pb.Fragment], retention: timedelta, now: float) -> l
     return [f for f in persisted if f.end < last_end and f.mod_time < cutoff]
 
 
-async def _remove(fragment: pb.Fragment, file_root: Path, *, dry_run: bool) -> bool:
+async def remove_fragment(fragment: pb.Fragment, file_root: Path, *, dry_run: bool) -> bool:
     """Delete one fragment from its store; False if it isn't there."""
     store = open_store(fragment.backing_store, file_root)
     if not await store.exists(fragment):
@@ -132,7 +132,7 @@ async def prune_journals(
         retention = spec.fragment.retention.ToTimedelta()
         listed = await list_fragments(client, spec.name)
         for fragment in expired([item.spec for item in listed.fragments], retention, now):
-            if await _remove(fragment, file_root, dry_run=dry_run):
+            if await remove_fragment(fragment, file_root, dry_run=dry_run):
                 count += 1
                 size += fragment.end - fragment.begin
                 click.echo(

@@ -11,6 +11,7 @@ from streamkit.cli.new import new
 from streamkit.cli.publish import publish
 from streamkit.cli.query import query
 from streamkit.cli.run import run, serve
+from streamkit.cli.shard_prune import prune_cmd
 from streamkit.cli.shards import shards
 
 
@@ -29,6 +30,7 @@ cli.add_command(query)
 cli.add_command(run)
 cli.add_command(serve)
 cli.add_command(shards)
+shards.add_command(prune_cmd)  # defined apart: it needs the broker as well as the KeySpace
 
 
 def main() -> None:
