@@ -11,13 +11,13 @@ instead of dialled per call.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import TracebackType
 
 import grpc
 
 from streamkit.app.assignment import AllocState, MemberId
 from streamkit.app.shard_ops import endpoint_of, response_header, shard_route
 from streamkit.client.broker_client import normalize_address
+from streamkit.client.closing import AsyncClosing
 from streamkit.protocol import consumer_pb
 from streamkit.protocol import consumer_pb2_grpc as consumer_grpc
 
@@ -57,7 +57,7 @@ def forwarded(
     return copy
 
 
-class StatClient:
+class StatClient(AsyncClosing):
     """Stat calls to members, one gRPC channel per endpoint, opened on first use.
 
     A channel found broken after a failed call is dropped, so members that went
@@ -105,14 +105,3 @@ class StatClient:
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close()
-
-    async def __aenter__(self) -> StatClient:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        await self.close()

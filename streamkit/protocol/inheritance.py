@@ -11,12 +11,25 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FlatSettings", "merge_labels", "settings_beyond", "shared_settings"]
+__all__ = [
+    "FlatSettings",
+    "flatten_labels",
+    "merge_labels",
+    "settings_beyond",
+    "shared_settings",
+]
 
 # A spec's settings as one flat mapping, e.g. ("fragment", "length") -> 1024,
 # ("labels", "app") -> ("wordcount",), ("replication",) -> 1.
 FlatSettings = dict[tuple[str, ...], Any]
 _MISSING = object()
+
+
+def flatten_labels(flat: FlatSettings, labels: list[dict[str, str]]) -> None:
+    """Put dumped labels into `flat`, one slot per label name holding all its values."""
+    for label in labels:
+        slot = ("labels", label["name"])
+        flat[slot] = (*flat.get(slot, ()), label["value"])
 
 
 def merge_labels(parent: Any, child: Any) -> Any:

@@ -30,6 +30,7 @@ from streamkit.protocol import consumer_pb
 from streamkit.protocol.durations import GoDuration, format_duration
 from streamkit.protocol.inheritance import (
     FlatSettings,
+    flatten_labels,
     merge_labels,
     settings_beyond,
     shared_settings,
@@ -486,9 +487,7 @@ def _flatten(spec: ShardSpecModel) -> FlatSettings:
     flat: FlatSettings = {}
     for key, value in spec.model_dump(mode="json", exclude={"id"}).items():
         if key == "labels":
-            for label in value:
-                slot = ("labels", label["name"])
-                flat[slot] = (*flat.get(slot, ()), label["value"])
+            flatten_labels(flat, value)
         elif key == "sources":
             if value:
                 flat[(key,)] = [{k: v for k, v in s.items() if v or k == "journal"} for s in value]

@@ -19,6 +19,7 @@ import yaml
 
 from streamkit.protocol.inheritance import (
     FlatSettings,
+    flatten_labels,
     merge_labels,
     settings_beyond,
     shared_settings,
@@ -166,9 +167,7 @@ def _flatten(spec: JournalSpec) -> FlatSettings:
     flat: FlatSettings = {}
     for key, value in spec.model_dump(mode="json", exclude={"name"}).items():
         if key == "labels":
-            for label in value:
-                slot = ("labels", label["name"])
-                flat[slot] = (*flat.get(slot, ()), label["value"])
+            flatten_labels(flat, value)
         elif key == "fragment":
             flat.update({("fragment", field): v for field, v in value.items()})
         else:
