@@ -31,6 +31,9 @@ def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     (grpc.StatusCode.INTERNAL, "some server bug", False),
     (grpc.StatusCode.INVALID_ARGUMENT, "journal: bad name", False),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, "journal a/b: disk full", False),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, "append to a/b sent 48 bytes in 2.0s, below the "
+     "minimum rate of 64 KiB/s; rolled back", True),  # the broker's pacing: safe to retry
+    (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", False),  # the caller's own
 ])
 def test_is_transient(code: grpc.StatusCode, details: str, transient: bool) -> None:
     assert is_transient(_rpc_error(code, details)) is transient

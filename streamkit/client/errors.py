@@ -210,6 +210,11 @@ def _grpc_transient(exc: grpc.RpcError) -> bool:
     details = (exc.details() or "").lower() if callable(getattr(exc, "details", None)) else ""
     if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
         return any(hint in details for hint in _CONNECTION_HINTS)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and details.endswith("rolled back"):
+        # The broker's pacing rule aborted an append that came in too slowly (this
+        # process starved of CPU, say): nothing was written, and the next try may be
+        # quick enough. A deadline of the caller's own is not retried.
+        return True
     # gRPC core may report a connection lost mid-stream this way (grpc/grpc#36066).
     return code == grpc.StatusCode.INTERNAL and "internal error from core" in details
 
