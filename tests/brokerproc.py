@@ -50,16 +50,22 @@ class BrokerProcess:
     port: int = field(default_factory=free_port)
     extra_args: list[str] = field(default_factory=list)
     fsize_limit: int | None = None  # RLIMIT_FSIZE of the broker (`ulimit -f`), in bytes
+    env: dict[str, str] = field(default_factory=dict)  # more environment (AUTH_KEYS, say)
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
 
     @property
+    def tls(self) -> bool:
+        """Whether the broker serves TLS (given a certificate by argument or environment)."""
+        return "--tls-cert" in self.extra_args or "STREAMKIT_TLS_CERT" in self.env
+
+    @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"https://127.0.0.1:{self.port}" if self.tls else f"127.0.0.1:{self.port}"
 
     @property
     def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.port + 1}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port + 1}"
 
     def start(self) -> BrokerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -67,7 +73,7 @@ class BrokerProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 (owned by the child)
         cmd = [sys.executable, "-m", "streamkit.cli.main", "broker", "serve",
                "--data-dir", str(self.data_dir), "--port", str(self.port), *self.extra_args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      preexec_fn=self._limits if self.fsize_limit else None)
         log.close()

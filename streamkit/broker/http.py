@@ -6,6 +6,13 @@
 * ``HEAD /<journal>?offset=N`` answers the same headers and no content.
 * ``PUT /<journal>`` appends the request body as one append (204) and answers
   X-Commit-Begin, X-Commit-End and X-Commit-SHA1-Sum.
+
+Every request passes the broker's `Security` middleware first: a Host header
+that is not one of the server's names is refused (a web page could otherwise
+reach a loopback broker through DNS rebinding), so is a browser's write from
+another origin, and with auth keys a request needs `Authorization: Bearer`
+with READ (GET, HEAD), APPEND (PUT) or LIST (/metrics, which names journals).
+A journal the token's selector does not cover is answered as absent (404).
 """
 
 from __future__ import annotations
@@ -17,6 +24,9 @@ from collections.abc import AsyncIterator
 from aiohttp import ClientPayloadError, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from streamkit.auth.scope import journal_allowed
+from streamkit.auth.settings import Security
+from streamkit.auth.tokens import Capability
 from streamkit.broker.appends import append, refusal
 from streamkit.broker.faults import JournalFault
 from streamkit.broker.journals import JournalRegistry
@@ -76,19 +86,32 @@ def _bool_param(request: web.Request, name: str) -> bool:
     return raw in ("true", "1")
 
 
+_CAPABILITIES = {"GET": Capability.READ, "HEAD": Capability.READ, "PUT": Capability.APPEND}
+
+
+def _capability_for(request: web.Request) -> Capability | None:
+    """What a request needs; None (other methods) leaves the answer to the router (405)."""
+    if request.path == "/metrics":
+        return Capability.LIST
+    return _CAPABILITIES.get(request.method)
+
+
 class HttpGateway:
     """An aiohttp server over the broker's registry."""
 
     def __init__(
-        self, registry: JournalRegistry, service: JournalService, shutdown_timeout: float = 2.0
+        self, registry: JournalRegistry, service: JournalService, shutdown_timeout: float = 2.0,
+        security: Security | None = None,
     ) -> None:
         self.registry = registry
         self.service = service
         self.shutdown_timeout = shutdown_timeout  # aiohttp's own default waits 60 s
+        self.security = security or Security()
         self._runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int) -> None:
-        app = web.Application(client_max_size=1 << 30)
+        guard = self.security.http_middleware(_capability_for, host)
+        app = web.Application(client_max_size=1 << 30, middlewares=[guard])
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/{journal:.+}", self.read)  # also serves HEAD
         app.router.add_put("/{journal:.+}", self.append)
@@ -96,7 +119,8 @@ class HttpGateway:
             app, access_log=None, shutdown_timeout=self.shutdown_timeout
         )
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
+        ssl_context = self.security.http_ssl_context()
+        await web.TCPSite(self._runner, host, port, ssl_context=ssl_context).start()
 
     async def stop(self) -> None:
         if self._runner:
@@ -111,7 +135,10 @@ class HttpGateway:
             check_journal_name(journal)
         except BadRequest as err:
             raise web.HTTPBadRequest(text=f"{err}\n") from None
-        return journal, await self.registry.replica(journal)
+        replica = await self.registry.replica(journal)
+        if replica is not None and not journal_allowed(journal, replica.spec.labels):
+            replica = None  # not covered by the request's token: absent, as over gRPC
+        return journal, replica
 
     async def read(self, request: web.Request) -> web.StreamResponse:
         try:

@@ -6,6 +6,10 @@ Layout of a data dir:
 * ``journals/<journal>/@spool/``: spools of each journal;
 * ``fragments/``: the default ``file://`` fragment root;
 * ``tmp/``: scratch space for compressing fragments.
+
+`BrokerConfig.security` decides TLS and authorization for both the gRPC
+service and the HTTP gateway; its default (loopback, plaintext, no keys)
+adds nothing to any call path.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from pathlib import Path
 
 import grpc
 
+from streamkit.auth.grpc_auth import JOURNAL_CAPABILITIES
+from streamkit.auth.settings import Exposed, Security
+from streamkit.auth.tls import TlsError
 from streamkit.broker.http import HttpGateway
 from streamkit.broker.journals import JournalRegistry
 from streamkit.broker.pace import DEFAULT_MIN_APPEND_RATE
@@ -53,6 +60,7 @@ class BrokerConfig:
     shutdown_grace: float = 5.0
     append_timeout: float = APPEND_CHUNK_TIMEOUT
     min_append_rate: float = DEFAULT_MIN_APPEND_RATE
+    security: Security = field(default_factory=Security)
 
     @property
     def fragment_root(self) -> Path:
@@ -81,6 +89,7 @@ class Broker:
 
     async def start(self) -> None:
         cfg = self.config
+        cfg.security.check_exposure(cfg.host, cfg.port, "the broker")
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         cfg.fragment_root.mkdir(parents=True, exist_ok=True)
         keyspace = open_keyspace(cfg.keyspace or str(cfg.data_dir / "keyspace.db"))
@@ -89,11 +98,12 @@ class Broker:
         )
         self.persister.start()
         await self.registry.start()
-        endpoint = f"grpc://{cfg.host}:{cfg.port}"
+        endpoint = cfg.security.endpoint(cfg.host, cfg.port)
         identity = Identity(zone=cfg.zone, suffix=cfg.suffix, endpoint=endpoint)
         self.service = JournalService(self.registry, identity, cfg.append_timeout,
                                       cfg.min_append_rate)
         self.server = grpc.aio.server(
+            interceptors=cfg.security.interceptors(JOURNAL_CAPABILITIES) or None,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE),
                 ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -102,17 +112,19 @@ class Broker:
         )
         pb_grpc.add_JournalServicer_to_server(self.service, self.server)
         try:
-            bound = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+            bound = cfg.security.add_port(self.server, f"{cfg.host}:{cfg.port}")
         except RuntimeError:
             bound = 0
         if bound == 0:
             raise OSError(f"cannot listen on {cfg.host}:{cfg.port} (is the port in use?)")
         await self.server.start()
         if cfg.gateway_port:
-            self.gateway = HttpGateway(self.registry, self.service, cfg.shutdown_grace / 3)
+            self.gateway = HttpGateway(self.registry, self.service, cfg.shutdown_grace / 3,
+                                       cfg.security)
             await self.gateway.start(cfg.host, cfg.gateway_port)
-        log.info("broker serving gRPC on %s:%d, HTTP on %s, data in %s", cfg.host, cfg.port,
-                 cfg.gateway_port or "(off)", cfg.data_dir)
+        log.info("broker serving gRPC on %s:%d, HTTP on %s, data in %s (%s)", cfg.host,
+                 cfg.port, cfg.gateway_port or "(off)", cfg.data_dir,
+                 cfg.security.describe())
 
     async def run(self) -> None:
         """Serve until SIGTERM/SIGINT or `request_stop`, then stop gracefully."""
@@ -122,7 +134,7 @@ class Broker:
                 loop.add_signal_handler(sig, self.request_stop)
         try:
             await self.start()
-        except (OSError, RuntimeError, KeySpaceError) as err:
+        except (OSError, RuntimeError, KeySpaceError, Exposed, TlsError) as err:
             raise StartupFailed(str(err)) from err
         ticker = asyncio.create_task(self._tick())
         try:

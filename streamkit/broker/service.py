@@ -3,6 +3,14 @@
 Request problems are answered the way Gazette answers them: a response Status
 (JOURNAL_NOT_FOUND, REGISTER_MISMATCH, ...) when the protocol has one, else a
 gRPC INVALID_ARGUMENT naming the field. The server keeps serving either way.
+
+With authorization on, the server's interceptor has checked each call's
+capability and bound its claims (`streamkit.auth.scope`); the servicer then
+limits the call to the journals the claims' selector covers, as Gazette's
+broker does: List leaves the others out, Read, Append and ListFragments
+answer JOURNAL_NOT_FOUND for them (an uncovered journal is indistinguishable
+from an absent one), and Apply refuses, naming the journal, a change to a
+journal it does not cover, before or after the change.
 """
 
 from __future__ import annotations
@@ -16,12 +24,14 @@ from typing import NoReturn, TypeVar
 
 import grpc
 
+from streamkit.auth.scope import current_claims, journal_allowed, require_journal
 from streamkit.broker import metrics
 from streamkit.broker.appends import RolledBack, append, refusal
 from streamkit.broker.faults import JournalFault
 from streamkit.broker.journals import ApplyConflict, JournalRegistry
 from streamkit.broker.pace import DEFAULT_MIN_APPEND_RATE, AppendPace
 from streamkit.broker.reads import ReadStream
+from streamkit.broker.replica import Replica
 from streamkit.errors import StreamkitError
 from streamkit.protocol import pb, pb_grpc
 from streamkit.protocol.apply import check_apply_changes
@@ -139,9 +149,11 @@ class JournalService(pb_grpc.JournalServicer):
         """A listing in chunks. A plain List always answers at least one message; under
         watch an empty snapshot is just its empty terminator, so the two can't be confused."""
         selected = []
+        claims = current_claims()
         for name in sorted(self.registry.entries):
             entry = self.registry.entries[name]
-            if matches(selector, labels_with_meta(entry.spec.labels, name)):
+            labels = labels_with_meta(entry.spec.labels, name)
+            if matches(selector, labels) and (claims is None or claims.covers(labels)):
                 selected.append(
                     pb.ListResponse.Journal(
                         spec=entry.spec,
@@ -160,6 +172,7 @@ class JournalService(pb_grpc.JournalServicer):
 
     async def Apply(self, request: pb.ApplyRequest, context) -> pb.ApplyResponse:
         await self._check(context, "Apply", _validate_changes, request.changes)
+        self._require_changes(request.changes)
         await self._check(context, "Apply", self.registry.check_servable, list(request.changes))
         try:
             await self.registry.apply(list(request.changes))
@@ -167,12 +180,28 @@ class JournalService(pb_grpc.JournalServicer):
             return pb.ApplyResponse(status=pb.ETCD_TRANSACTION_FAILED, header=self.header())
         return pb.ApplyResponse(status=pb.OK, header=self.header())
 
+    def _require_changes(self, changes: Sequence[pb.ApplyRequest.Change]) -> None:
+        """Raise PermissionDenied (the interceptor answers PERMISSION_DENIED) unless the
+        claims cover each journal as it is and as it would be: checking the new labels
+        alone would let a token relabel another's journal into its own selector."""
+        if current_claims() is None:
+            return
+        for change in changes:
+            name = change.upsert.name if change.HasField("upsert") else change.delete
+            if change.HasField("upsert"):
+                require_journal(name, change.upsert.labels)
+            entry = self.registry.entries.get(name)
+            if entry is not None:
+                require_journal(name, entry.spec.labels)
+            elif not change.HasField("upsert"):
+                require_journal(name)
+
     # --- Read -------------------------------------------------------------
 
     async def Read(self, request: pb.ReadRequest, context) -> AsyncIterator[pb.ReadResponse]:
         await self._check(context, "Read", _validate_read, request)
         try:
-            replica = await self.registry.replica(request.journal)
+            replica = _visible(await self.registry.replica(request.journal), request.journal)
         except JournalFault as fault:
             await self._fault(context, "Read", fault)
         if replica is None:
@@ -199,7 +228,7 @@ class JournalService(pb_grpc.JournalServicer):
             await self._abort(context, "Append", BadRequest("Append stream ended before a request"))
         await self._check(context, "Append", _validate_append, first)
         try:
-            replica = await self.registry.replica(first.journal)
+            replica = _visible(await self.registry.replica(first.journal), first.journal)
             status = refusal(replica)
             if status is not None:
                 metrics.APPEND_FAILURES.labels(pb.Status.Name(status)).inc()
@@ -221,7 +250,7 @@ class JournalService(pb_grpc.JournalServicer):
     async def ListFragments(self, request: pb.FragmentsRequest, context) -> pb.FragmentsResponse:
         await self._check(context, "ListFragments", _validate_fragments, request)
         try:
-            replica = await self.registry.replica(request.journal)
+            replica = _visible(await self.registry.replica(request.journal), request.journal)
         except JournalFault as fault:
             await self._fault(context, "ListFragments", fault)
         if replica is None:
@@ -250,6 +279,13 @@ class JournalService(pb_grpc.JournalServicer):
             grpc.StatusCode.UNIMPLEMENTED,
             "the bundled broker is single-node; run Gazette's brokers for replication",
         )
+
+
+def _visible(replica: Replica | None, journal: str) -> Replica | None:
+    """`replica`, or None if the request's claims do not cover it (it is then absent)."""
+    if replica is None or journal_allowed(journal, replica.spec.labels):
+        return replica
+    return None
 
 
 async def _next_chunk(requests, pace: AppendPace, journal: str) -> pb.AppendRequest:

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import click
 
+from streamkit.auth.settings import Security
 from streamkit.broker.pace import DEFAULT_MIN_APPEND_RATE
 from streamkit.broker.server import DEFAULT_PORT, BrokerConfig, StartupFailed, serve
 from streamkit.cli.logs import configure_logging
+from streamkit.cli.security_options import security_options
 from streamkit.keyspace import KeySpaceError
 
 
@@ -41,14 +43,21 @@ def broker() -> None:
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @click.option("--log-format", default="text", show_default=True, envvar="STREAMKIT_LOG_FORMAT",
               type=click.Choice(["text", "json"]), help="json: one structured object per line.")
+@security_options(serves=True, dials=False)
 def serve_cmd(data_dir: Path, port: int, http_port: int | None, host: str,
               file_root: Path | None, keyspace: str | None, append_timeout: float,
-              min_append_rate: int, log_level: str, log_format: str) -> None:
-    """Serve journals until SIGTERM or Ctrl-C."""
+              min_append_rate: int, log_level: str, log_format: str,
+              security: Security) -> None:
+    """Serve journals until SIGTERM or Ctrl-C.
+
+    Beyond loopback (--host 0.0.0.0, say) it needs --auth-keys (or client
+    certificates required), unless --insecure.
+    """
     configure_logging(log_level, log_format)
     config = BrokerConfig(data_dir=data_dir.resolve(), port=port, http_port=http_port, host=host,
                           file_root=file_root.resolve() if file_root else None, keyspace=keyspace,
-                          append_timeout=append_timeout, min_append_rate=min_append_rate)
+                          append_timeout=append_timeout, min_append_rate=min_append_rate,
+                          security=security)
     try:
         serve(config)
     except StartupFailed as err:

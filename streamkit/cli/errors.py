@@ -75,6 +75,11 @@ def _rpc_error(code: str, details: str) -> tuple[list[str], int]:
         return [f"cannot reach broker at {_broker_address()}: {details}"], FAILURE
     if code == "INVALID_ARGUMENT":
         return [f"the broker rejected the request: {details}"], DATA_ERROR
+    if code == "UNAUTHENTICATED":
+        return [f"the broker refused the request ({code}): {details} "
+                "(are --auth-keys or AUTH_KEYS set to the broker's keys?)"], FAILURE
+    if code == "PERMISSION_DENIED":
+        return [f"the broker refused the request ({code}): {details}"], FAILURE
     return [f"broker call failed ({code}): {details}"], FAILURE
 
 

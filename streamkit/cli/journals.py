@@ -1,10 +1,10 @@
 """`streamkit journals …`: list, apply, append to, read, and prune journals (as gazctl does).
 
 Every command talks to one broker (--broker, else $STREAMKIT_BROKER, else
-127.0.0.1:8080). Data goes to stdout and everything else (progress,
-summaries of appends, warnings, errors) to stderr, so that commands compose
-in pipelines. The commands themselves are thin: the work lives in the
-journal_* modules next to this one.
+127.0.0.1:8080), with the TLS and auth-key options of `security_options`. Data
+goes to stdout and everything else (progress, summaries of appends, warnings,
+errors) to stderr, so that commands compose in pipelines. The commands
+themselves are thin: the work lives in the journal_* modules next to this one.
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ from typing import IO, Any, TypeVar
 
 import click
 
+from streamkit.auth.settings import Security
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command
 from streamkit.cli.journal_apply import apply_specs, read_spec_file
 from streamkit.cli.journal_fragments import fragment_rows, print_fragments, prune_journals
 from streamkit.cli.journal_io import MAPPINGS, append_lines, append_raw, load_offsets
 from streamkit.cli.journal_io import read_journals as copy_journals
 from streamkit.cli.output import FORMATS, echo_json, echo_table, format_labels, format_size
+from streamkit.cli.security_options import security_options
 from streamkit.client import BrokerClient, list_journals
 from streamkit.client.broker_client import DEFAULT_ADDRESS
 from streamkit.protocol import pb
@@ -46,7 +48,9 @@ DEFAULT_FILE_ROOT = Path(".streamkit/broker/fragments")
 def broker_option(fn: F) -> F:
     return click.option(
         "--broker", envvar="STREAMKIT_BROKER", default=DEFAULT_ADDRESS, show_default=True,
-        show_envvar=True, metavar="URL", help="Broker address: host:port or grpc://host:port.",
+        show_envvar=True, metavar="URL",
+        help="Broker address: host:port or http://host:port (plaintext), https://host:port "
+             "(TLS).",
     )(fn)
 
 
@@ -133,11 +137,13 @@ def journals() -> None:
               help="yaml is the spec-file form (with revisions) that `apply` takes back.")
 @click.option("--primary", is_flag=True, help="Add a column with each journal's primary broker.")
 @broker_option
+@security_options()
 @async_command()
-async def list_cmd(selector: str, output: str, primary: bool, broker: str) -> None:
+async def list_cmd(selector: str, output: str, primary: bool, broker: str,
+                   security: Security) -> None:
     """List journals and their specs."""
     parsed = parse_selector(selector)
-    async with BrokerClient(broker) as client:
+    async with BrokerClient(broker, security) as client:
         listed = await list_journals(client, parsed)
     if output == "yaml":
         entries = [SpecEntry(JournalSpec.from_proto(j.spec), j.mod_revision) for j in listed]
@@ -191,9 +197,10 @@ def _journal_json(journal: Listed) -> dict[str, Any]:
 @click.option("--max-txn-size", type=click.IntRange(min=0), default=0, show_default=True,
               help="Apply in transactions of at most N changes (0: one transaction).")
 @broker_option
+@security_options()
 @async_command()
 async def apply_cmd(specs_path: str, dry_run: bool, upsert: bool, max_txn_size: int,
-                    broker: str) -> None:
+                    broker: str, security: Security) -> None:
     """Create, update or delete journals to match a spec file.
 
     A node's revision is the journal's mod revision the file was edited from:
@@ -201,7 +208,7 @@ async def apply_cmd(specs_path: str, dry_run: bool, upsert: bool, max_txn_size: 
     whole apply fails and nothing is written.
     """
     entries = read_spec_file(specs_path)
-    async with BrokerClient(broker) as client:
+    async with BrokerClient(broker, security) as client:
         await apply_specs(client, entries, dry_run=dry_run, upsert=upsert,
                           max_txn_size=max_txn_size)
 
@@ -233,11 +240,12 @@ def opened_input(path: str) -> Iterator[IO[bytes]]:
               help="With lines: random spreads lines over the selected journals; modulo "
                    "hashes each line to a journal; direct reads lines as JOURNAL<TAB>RECORD.")
 @broker_option
+@security_options()
 @async_command()
 async def append_cmd(journal: str | None, selector: str | None, input_path: str, framing: str,
-                     mapping: str, broker: str) -> None:
+                     mapping: str, broker: str, security: Security) -> None:
     """Append stdin (or a file) to journals. A summary goes to stderr."""
-    async with BrokerClient(broker) as client:
+    async with BrokerClient(broker, security) as client:
         names = [j.spec.name for j in await resolve_journals(client, journal, selector)]
         if framing == "none" and len(names) != 1:
             raise CliError(
@@ -271,10 +279,11 @@ async def append_cmd(journal: str | None, selector: str | None, input_path: str,
               help="Print only committed messages, each once (implies --messages). "
                    "Transactions begun before the start offset are not seen.")
 @broker_option
+@security_options()
 @async_command(interrupt_exit=0)
 async def read_cmd(journal: str | None, selector: str | None, offset: int | None, tail: bool,
                    block: bool, offsets_in: Path | None, offsets_out: Path | None,
-                   messages: bool, committed: bool, broker: str) -> None:
+                   messages: bool, committed: bool, broker: str, security: Security) -> None:
     """Copy journal content to stdout.
 
     Without --block, stops at each journal's write head. With several journals
@@ -288,7 +297,7 @@ async def read_cmd(journal: str | None, selector: str | None, offset: int | None
                        DATA_ERROR)
     start = -1 if tail else offset or 0
     offsets = load_offsets(offsets_in)
-    async with BrokerClient(broker) as client:
+    async with BrokerClient(broker, security) as client:
         specs = [j.spec for j in await resolve_journals(client, journal, selector)]
         await copy_journals(client, specs, offsets, default_offset=start, block=block,
                             offsets_out=offsets_out, messages=messages, committed=committed)
@@ -306,12 +315,13 @@ async def read_cmd(journal: str | None, selector: str | None, offset: int | None
 @click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
 @broker_option
+@security_options()
 @async_command()
 async def fragments_cmd(journal: str | None, selector: str | None, from_time: int | None,
                         to_time: int | None, url_ttl: timedelta, output: str,
-                        broker: str) -> None:
+                        broker: str, security: Security) -> None:
     """List the fragments of journals: local spools and persisted files."""
-    async with BrokerClient(broker) as client:
+    async with BrokerClient(broker, security) as client:
         names = [j.spec.name for j in await resolve_journals(client, journal, selector)]
         rows = await fragment_rows(client, names, begin_mod_time=from_time or 0,
                                    end_mod_time=to_time or 0, url_ttl=url_ttl)
@@ -326,13 +336,15 @@ async def fragments_cmd(journal: str | None, selector: str | None, from_time: in
               default=DEFAULT_FILE_ROOT, show_default=True,
               help="Where file:/// stores live: the broker's --file-root.")
 @broker_option
+@security_options()
 @async_command()
-async def prune_cmd(selector: str, dry_run: bool, file_root: Path, broker: str) -> None:
+async def prune_cmd(selector: str, dry_run: bool, file_root: Path, broker: str,
+                    security: Security) -> None:
     """Delete persisted fragments older than each journal's fragment.retention.
 
     Journals with retention 0 keep everything. Fragments still local to the
     broker, and each journal's last persisted fragment, are never deleted.
     """
-    async with BrokerClient(broker) as client:
+    async with BrokerClient(broker, security) as client:
         listed = await resolve_journals(client, None, selector)
         await prune_journals(client, [j.spec for j in listed], file_root, dry_run=dry_run)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from streamkit.cli.auth import auth
 from streamkit.cli.backfill import backfill
 from streamkit.cli.broker import broker
 from streamkit.cli.journals import journals
@@ -21,6 +22,7 @@ def cli() -> None:
     """streamkit: stateful, exactly-once stream processing over journals."""
 
 
+cli.add_command(auth)
 cli.add_command(backfill)
 cli.add_command(broker)
 cli.add_command(journals)

@@ -25,9 +25,11 @@ from typing import IO, Any
 import click
 import orjson
 
+from streamkit.auth.settings import Security
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command
 from streamkit.cli.journals import broker_option, opened_input
 from streamkit.cli.output import plural
+from streamkit.cli.security_options import security_options
 from streamkit.client import AppendService, BrokerClient, OpFuture, PolledList
 from streamkit.message.framing import UnknownFraming, content_type_of, framing_for
 from streamkit.message.mapping import (
@@ -168,9 +170,10 @@ async def publish_lines(publisher: Publisher, mapping: MappingFunc, source: IO[b
 @click.option("-i", "--input", "input_path", default="-", show_default=True, metavar="FILE",
               help='JSON lines to publish ("-" for stdin).')
 @broker_option
+@security_options()
 @async_command()
 async def publish(selector: str, key: str | None, mapping: str | None, input_path: str,
-                  broker: str) -> None:
+                  broker: str, security: Security) -> None:
     """Publish JSON lines as committed messages to the journals matching SELECTOR.
 
     Each line must be a JSON object; its "uuid" field is set to the
@@ -179,7 +182,7 @@ async def publish(selector: str, key: str | None, mapping: str | None, input_pat
     after the lines before it are published.
     """
     parsed = parse_selector(selector)
-    async with BrokerClient(broker) as client, PolledList(client, parsed) as polled:
+    async with BrokerClient(broker, security) as client, PolledList(client, parsed) as polled:
         _check_journals(polled, selector)
         mapping_func = _mapping(mapping, key, polled)
         tally: Counter[str] = Counter()

@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from streamkit.auth.tokens import Capability
 from streamkit.client.broker_client import BrokerClient
 from streamkit.client.errors import (
     Backoff,
@@ -139,7 +140,8 @@ class Appender:
 
     async def _started(self) -> grpc.aio.StreamUnaryCall:
         if self._call is None:
-            self._call = self.client.stub_for(self.journal).Append()
+            metadata = self.client.auth(Capability.APPEND, self.journal)
+            self._call = self.client.stub_for(self.journal).Append(metadata=metadata)
             try:
                 with translating_rpc_errors(f"append to {self.journal}"):
                     await self._call.write(self.request)

@@ -15,6 +15,7 @@ from types import TracebackType
 import grpc
 from google.protobuf.duration_pb2 import Duration
 
+from streamkit.auth.tokens import Capability
 from streamkit.client.broker_client import BrokerClient
 from streamkit.client.errors import Backoff, JournalNotFound, check_status, translating_rpc_errors
 from streamkit.protocol import pb
@@ -52,8 +53,10 @@ def _remember_routes(client: BrokerClient, journals: Iterable[pb.ListResponse.Jo
 async def list_journals(client: BrokerClient, selector: Selector = None) -> Journals:
     """Every journal matching `selector` (text like "app=x, prefix=logs/" or a LabelSelector)."""
     journals: Journals = []
+    request = pb.ListRequest(selector=_selector(selector))
+    metadata = client.auth(Capability.LIST, selector=request.selector)
     with translating_rpc_errors("list journals"):
-        async for response in client.stub.List(pb.ListRequest(selector=_selector(selector))):
+        async for response in client.stub.List(request, metadata=metadata):
             check_status(response.status, "list journals")
             journals.extend(response.journals)
     _remember_routes(client, journals)
@@ -76,7 +79,7 @@ async def apply_journals(
     request = changes if isinstance(changes, pb.ApplyRequest) else pb.ApplyRequest(changes=changes)
     what = f"apply {len(request.changes)} journal change(s)"
     with translating_rpc_errors(what):
-        response = await client.stub.Apply(request)
+        response = await client.stub.Apply(request, metadata=client.auth(Capability.APPLY))
     check_status(response.status, what)
     return response
 
@@ -124,9 +127,10 @@ async def list_fragments(
     if signature_ttl is not None:
         request.signatureTTL.CopyFrom(Duration(seconds=int(signature_ttl.total_seconds())))
     merged = pb.FragmentsResponse(status=pb.OK)
+    metadata = client.auth(Capability.READ, journal)  # READ: it hands out fragment URLs
     while True:
         with translating_rpc_errors(f"list fragments of {journal}"):
-            response = await client.stub_for(journal).ListFragments(request)
+            response = await client.stub_for(journal).ListFragments(request, metadata=metadata)
         check_status(response.status, f"list fragments of {journal}")
         if not merged.HasField("header"):
             merged.header.CopyFrom(response.header)
@@ -234,7 +238,9 @@ class PolledList:
 
     async def _follow(self) -> None:
         """Publish each snapshot of a watching List RPC; an empty message ends one."""
-        call = self.client.stub.List(pb.ListRequest(selector=self.selector, watch=True))
+        metadata = self.client.auth(Capability.LIST, selector=self.selector)
+        call = self.client.stub.List(pb.ListRequest(selector=self.selector, watch=True),
+                                     metadata=metadata)
         try:
             snapshot: Journals = []
             async for response in call:

@@ -15,6 +15,7 @@ from typing import Self
 
 import grpc
 
+from streamkit.auth.tokens import Capability
 from streamkit.client.broker_client import BrokerClient
 from streamkit.client.closing import AsyncClosing
 from streamkit.client.errors import (
@@ -127,7 +128,8 @@ class Reader(_ByteStream):
     async def _receive(self) -> pb.ReadResponse | None:
         """The next response of the RPC (starting it if needed); None when it ended."""
         if self._call is None:
-            self._call = self.client.stub_for(self.journal).Read(self.request)
+            metadata = self.client.auth(Capability.READ, self.journal)
+            self._call = self.client.stub_for(self.journal).Read(self.request, metadata=metadata)
         try:
             response = await self._call.read()
         except BaseException as exc:
