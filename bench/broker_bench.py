@@ -1,6 +1,6 @@
 """Broker and client throughput on this machine.
 
-    python bench/broker_bench.py [--mib 512] [--records 1000000] [--json out.json]
+    python bench/broker_bench.py [--mib 512] [--records 1000000] [--json out.json] [--secure]
 
 Starts a fresh broker process on 127.0.0.1 (its own temp data dir), then measures
 with streamkit's own asyncio client, in this order:
@@ -13,6 +13,9 @@ with streamkit's own asyncio client, in this order:
    directly from the file store (do_not_proxy + FragmentReader);
 5. p50/p99 latency of 100-byte appends, one at a time, on an otherwise idle broker.
 
+With --secure the broker serves TLS (a CA and certificate made for the run) and
+requires tokens (AUTH_KEYS), and the client signs its calls: the cost of security.
+
 Before measuring, it writes --warmup MiB to a scratch journal: on a fresh VM the
 first touch of page-cache memory is several times slower than steady state
 (see BENCHMARKS.md), and a long-running broker lives in the steady state.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import statistics
@@ -35,6 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import machine, with_broker  # noqa: E402
+from streamkit.auth import ClientTls, parse_keys  # noqa: E402
+from streamkit.auth.settings import Security  # noqa: E402
 from streamkit.client import (  # noqa: E402
     Appender,
     AppendService,
@@ -160,8 +166,27 @@ async def warm_up(client: BrokerClient, mib: int) -> None:
     await append_mib(client, "bench/warmup", mib, os.urandom(MIB))
 
 
-async def run(address: str, args: argparse.Namespace, file_root: Path) -> dict[str, float]:
-    async with BrokerClient(address) as client:
+_BENCH_KEYS = base64.b64encode(b"streamkit broker benchmark key!!").decode()
+
+
+def _tls_args(tmp: Path) -> list[str]:
+    """Make the run's CA and certificate in `tmp`; the broker options serving them."""
+    from tests.test_auth_tls import make_pki  # needs the test extra (cryptography)
+
+    (tmp / "pki").mkdir()
+    pki = make_pki(tmp / "pki")
+    return ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key)]
+
+
+def _security(secure: bool, tmp: Path) -> Security | None:
+    if not secure:
+        return None
+    return Security(keys=parse_keys(_BENCH_KEYS), client_tls=ClientTls(ca=tmp / "pki" / "ca.pem"))
+
+
+async def run(address: str, args: argparse.Namespace, file_root: Path,
+              security: Security | None) -> dict[str, float]:
+    async with BrokerClient(address, security) as client:
         await warm_up(client, args.warmup)
         results: dict[str, float] = {}
         results |= await bench_latency(client)
@@ -177,10 +202,15 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=1_000_000)
     parser.add_argument("--warmup", type=int, default=1024, help="MiB written before measuring")
     parser.add_argument("--json", type=Path, help="also write results here")
+    parser.add_argument("--secure", action="store_true", help="TLS and auth tokens on")
     args = parser.parse_args()
     results = with_broker(
-        lambda broker, _: run(broker.address, args, broker.data_dir / "fragments")
+        lambda broker, tmp: run(broker.address, args, broker.data_dir / "fragments",
+                                _security(args.secure, tmp)),
+        extra_args=_tls_args if args.secure else lambda _: [],
+        env={"AUTH_KEYS": _BENCH_KEYS} if args.secure else None,
     )
+    results["secure"] = args.secure
     results["machine"] = machine()
     for key, value in results.items():
         print(f"{key:36} {value:>12.1f}" if isinstance(value, float) else f"{key:36} {value}")

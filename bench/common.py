@@ -41,10 +41,16 @@ def machine() -> str:
     return f"{platform.node()} {os.cpu_count()} cores {platform.machine()}"
 
 
-def with_broker(main: Callable[[BrokerProcess, Path], Coroutine[Any, Any, T]]) -> T:
-    """Run `main(broker, tmp)` against a fresh broker whose data lives in temp dir `tmp`."""
+def with_broker(
+    main: Callable[[BrokerProcess, Path], Coroutine[Any, Any, T]],
+    extra_args: Callable[[Path], list[str]] = lambda _: [],
+    env: dict[str, str] | None = None,
+) -> T:
+    """Run `main(broker, tmp)` against a fresh broker whose data lives in temp dir `tmp`
+    (`extra_args(tmp)`: more `broker serve` options; `env`: more environment)."""
     with tempfile.TemporaryDirectory(prefix="streamkit-bench-") as tmp:
-        broker = BrokerProcess(Path(tmp) / "broker").start()
+        broker = BrokerProcess(Path(tmp) / "broker", extra_args=extra_args(Path(tmp)),
+                               env=env or {}).start()
         try:
             return asyncio.run(main(broker, Path(tmp)))
         finally:

@@ -131,7 +131,11 @@ def _builder(subject: str, issuer: x509.Name, key, ca_key) -> x509.CertificateBu
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     """A CA, a server certificate for 127.0.0.1 and localhost, and a client certificate."""
-    folder = tmp_path_factory.mktemp("pki")
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def make_pki(folder: Path) -> Pki:
+    """The files of `pki` in `folder` (bench/broker_bench.py --secure makes them too)."""
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "streamkit test CA")])
     ca_cert = (
