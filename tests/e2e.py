@@ -17,9 +17,8 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,10 @@ import yaml
 
 from streamkit.app.assignment import AllocState
 from streamkit.app.config import AppConfig, load_config
+from streamkit.app.member_http import http_url, open_member_url
 from streamkit.app.shard_ops import read_state
+from streamkit.auth.settings import Security
+from streamkit.auth.tokens import Capability
 from streamkit.client import AppendService, BrokerClient
 from streamkit.client.appender import write_head
 from streamkit.client.broker_client import normalize_address
@@ -165,12 +167,13 @@ class Feeder:
     """tests/programs/wordcount_feeder.py: publishes lines `start`.. committed, until stopped."""
 
     def __init__(self, app_dir: Path, broker: str, log_path: Path, *, start: int = 0,
-                 count: int = 0, batch: int = 40, interval: float = 0.05) -> None:
+                 count: int = 0, batch: int = 40, interval: float = 0.05,
+                 extra: Sequence[str] = ()) -> None:
         self.start_id, self.count = start, count
         self.stdout = log_path.with_suffix(".out")
         self.proc = Proc([sys.executable, str(FEEDER), broker, str(app_dir), "--start",
                           str(start), "--count", str(count), "--batch", str(batch),
-                          "--interval", str(interval), "--report", str(self.stdout)],
+                          "--interval", str(interval), "--report", str(self.stdout), *extra],
                          log_path)
 
     def start(self) -> Feeder:
@@ -201,15 +204,16 @@ class Feeder:
 class AppView:
     """The test's view of a running app: its KeySpace, members, shards and output."""
 
-    def __init__(self, app_dir: Path, broker: str) -> None:
+    def __init__(self, app_dir: Path, broker: str, security: Security | None = None) -> None:
         self.config: AppConfig = load_config(app_dir)
         self.broker = broker
+        self.security = security or Security()  # TLS and tokens for broker and members
         self.keyspace_path = self.config.data_dir / "keyspace.db"
         self.keyspace: KeySpace | None = None
         self.client: BrokerClient | None = None
 
     async def __aenter__(self) -> AppView:
-        self.client = await BrokerClient(self.broker).__aenter__()
+        self.client = await BrokerClient(self.broker, self.security).__aenter__()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -291,8 +295,11 @@ class AppView:
     async def stat(self, endpoint: str, shard: str, read_through: dict[str, int] | None = None,
                    timeout: float = 30.0) -> consumer_pb.StatResponse:
         request = consumer_pb.StatRequest(shard=shard, read_through=read_through or {})
-        async with grpc.aio.insecure_channel(normalize_address(endpoint)) as channel:
-            response = await consumer_grpc.ShardStub(channel).Stat(request, timeout=timeout)
+        signer = self.security.signer()
+        metadata = signer.for_shard(Capability.READ, shard) if signer is not None else None
+        async with self.security.open_channel(normalize_address(endpoint)) as channel:
+            response = await consumer_grpc.ShardStub(channel).Stat(request, timeout=timeout,
+                                                                   metadata=metadata)
         assert response.status == consumer_pb.OK, (shard, response)
         return response
 
@@ -327,11 +334,10 @@ class AppView:
         """Each word's count summed over the shards, asked of each primary over HTTP."""
 
         def ask(endpoint: str, shard: str, word: str) -> int:
-            host, _, port = endpoint.removeprefix("grpc://").rpartition(":")
-            request = urllib.request.Request(
-                f"http://{host}:{int(port) + 1}/query/{shard}",
-                json.dumps({"word": word}).encode(), {"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=30) as response:
+            url = f"{http_url(endpoint)}/query/{shard}"
+            body = json.dumps({"word": word}).encode()
+            with open_member_url(self.security, url, body, cap=Capability.READ, shard=shard,
+                                 timeout=30) as response:
                 return int(json.loads(response.read()))
 
         def ask_all() -> Counter[str]:

@@ -18,6 +18,12 @@ exactly when an operator asks). A query runs user code, so it runs on the
 member's loop, for at most `query_timeout` seconds (the watchdog's hook
 limit by default); past that the answer is 503, naming the hook the shard is
 stuck in, if any.
+
+Every request passes the member's `Security` middleware first: Host headers
+that are not the member's own names are refused (DNS rebinding), as are
+browsers' cross-origin writes; with auth keys, /status and /metrics need a
+LIST token (they name the shards) and a query a READ token covering the shard
+(by `id` and labels). /status leaves out shards the token doesn't cover.
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ from streamkit.app import watchdog
 from streamkit.app.application import QueryError
 from streamkit.app.replica import Replica
 from streamkit.app.service import Service
+from streamkit.auth.scope import require_shard, shard_allowed
+from streamkit.auth.settings import Security
+from streamkit.auth.tokens import Capability
 from streamkit.protocol import consumer_pb
 
 __all__ = ["HttpApi", "replica_status", "start_http"]
@@ -64,6 +73,13 @@ def replica_status(replica: Replica) -> dict[str, Any]:
     }
 
 
+def _capability_for(request: web.Request) -> Capability:
+    """READ to query a shard; LIST for /status and /metrics (and anything else)."""
+    if request.path.startswith("/query/"):
+        return Capability.READ
+    return Capability.LIST
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
@@ -80,12 +96,14 @@ class _Handlers:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def status(self, request: web.Request) -> web.Response:
-        replicas = sorted(self.service.replicas.values(), key=lambda r: r.id)
+        replicas = sorted((r for r in self.service.replicas.values()
+                           if shard_allowed(r.id, r.shard.spec.labels)), key=lambda r: r.id)
         return web.json_response([replica_status(r) for r in replicas])
 
     async def query(self, request: web.Request) -> web.Response:
         shard = request.match_info["shard"]
         replica = self.service.replicas.get(shard)
+        require_shard(shard, replica.shard.spec.labels if replica is not None else None)
         if replica is None:
             return _error(404, f"shard {shard} is not run by this member")
         if replica.status.code != Code.PRIMARY:
@@ -142,8 +160,10 @@ class HttpApi:
     aiohttp's AppRunner method it stands in for).
     """
 
-    def __init__(self, service: Service, query_timeout: float | None = None) -> None:
+    def __init__(self, service: Service, query_timeout: float | None = None,
+                 security: Security | None = None) -> None:
         self.service = service
+        self.security = security or Security()
         self.query_timeout = watchdog.HOOK_TIMEOUT if query_timeout is None else query_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -163,7 +183,8 @@ class HttpApi:
                started: concurrent.futures.Future[None]) -> None:
         loop = self._loop = asyncio.new_event_loop()
         try:
-            self._runner = loop.run_until_complete(_start_site(handlers, host, port, sock))
+            self._runner = loop.run_until_complete(
+                _start_site(handlers, host, port, sock, self.security))
         except BaseException as err:
             started.set_exception(err)
             loop.close()
@@ -197,25 +218,30 @@ async def start_http(
     *,
     sock: socket.socket | None = None,
     query_timeout: float | None = None,
+    security: Security | None = None,
 ) -> HttpApi:
     """Serve the HTTP API of `service`'s replicas on `host:port`, or on `sock` (bound and
-    listening: the caller chose the port for real); stop with `await api.cleanup()`."""
-    api = HttpApi(service, query_timeout)
+    listening on `host`: the caller chose the port for real); stop with `await
+    api.cleanup()`. `security`: TLS, Host allow-list (names of `host`) and tokens."""
+    api = HttpApi(service, query_timeout, security)
     await api.start(host, port, sock)
     return api
 
 
 async def _start_site(
-    handlers: _Handlers, host: str, port: int, sock: socket.socket | None
+    handlers: _Handlers, host: str, port: int, sock: socket.socket | None, security: Security
 ) -> web.AppRunner:
-    app = web.Application(client_max_size=16 << 20)
+    guard = security.http_middleware(_capability_for, host)
+    app = web.Application(client_max_size=16 << 20, middlewares=[guard])
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/status", handlers.status)
     app.router.add_post("/query/{shard:.+}", handlers.query)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=_SHUTDOWN_TIMEOUT)
     await runner.setup()
     try:
-        site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
+        ssl_context = security.http_ssl_context()
+        site = (web.SockSite(runner, sock, ssl_context=ssl_context) if sock is not None
+                else web.TCPSite(runner, host, port, ssl_context=ssl_context))
         await site.start()
     except BaseException:
         await runner.cleanup()

@@ -8,6 +8,10 @@ picks), then gRPC on the port below it; when that one is taken, the HTTP
 socket is closed and another pair is tried. Another process (or member) can
 therefore never take one of the pair in between, and two members starting at
 once can't end up sharing a port.
+
+A `Security` decides TLS on both (a member on TLS announces `https://`), the
+token check on every Shard RPC (`SHARD_CAPABILITIES`) and HTTP request, and
+refuses to listen beyond loopback without authorization.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import grpc
 
 from streamkit.app.http_api import start_http
 from streamkit.app.shard_api import ShardAPI
+from streamkit.auth.grpc_auth import SHARD_CAPABILITIES
+from streamkit.auth.settings import Security
 from streamkit.protocol import consumer_pb2_grpc as consumer_grpc
 
 if TYPE_CHECKING:
@@ -85,8 +91,9 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _grpc_server() -> grpc.aio.Server:
+def _grpc_server(security: Security) -> grpc.aio.Server:
     return grpc.aio.server(
+        interceptors=security.interceptors(SHARD_CAPABILITIES) or None,
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE),
             ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -95,7 +102,9 @@ def _grpc_server() -> grpc.aio.Server:
     )
 
 
-async def _bind_pair(host: str, port: int) -> tuple[grpc.aio.Server, socket.socket] | None:
+async def _bind_pair(
+    host: str, port: int, security: Security
+) -> tuple[grpc.aio.Server, socket.socket] | None:
     """A gRPC server bound to a port (not started) and a socket listening on the next one.
 
     `port` 0: a pair the kernel's choice of the HTTP port gives, None when its
@@ -108,9 +117,9 @@ async def _bind_pair(host: str, port: int) -> tuple[grpc.aio.Server, socket.sock
             err.errno, f"cannot listen on {_address(host, port + 1)} for HTTP: {err.strerror}"
         ) from None
     grpc_port = port or http.getsockname()[1] - 1
-    server = _grpc_server()
+    server = _grpc_server(security)
     try:
-        bound = server.add_insecure_port(_address(host, grpc_port)) if grpc_port > 0 else 0
+        bound = security.add_port(server, _address(host, grpc_port)) if grpc_port > 0 else 0
     except RuntimeError:  # grpc's "Failed to bind"
         bound = 0
     if bound == grpc_port:
@@ -122,41 +131,54 @@ async def _bind_pair(host: str, port: int) -> tuple[grpc.aio.Server, socket.sock
     return None
 
 
-async def serve_member_apis(member: Member, host: str = "127.0.0.1", port: int = 0) -> MemberAPIs:
+async def serve_member_apis(
+    member: Member,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    security: Security | None = None,
+    advertise: str | None = None,
+) -> MemberAPIs:
     """Start a member's gRPC Shard API on `port` and its HTTP API on `port + 1`.
 
-    With port 0 a free pair is picked. OSError when the ports given are taken.
-    Sets `member.options.endpoint` when it is empty, so call this before
+    With port 0 a free pair is picked. OSError when the ports given are taken;
+    `Exposed` when `host` is beyond loopback and `security` authorizes nobody.
+    Sets `member.options.endpoint` when it is empty (`security.endpoint`: the
+    machine's name for a wildcard `host`; `advertise` names the host others reach it
+    by instead), so call this before
     `member.start()` announces the member. Stop with `await apis.stop()` (or
     `await server.stop(grace)` and `await runner.cleanup()`); the Shard API's
     channels to other members close once its server stopped.
     """
     if not 0 <= port < 65535:
         raise ValueError(f"port must be 0..65534, the HTTP API taking the next (got {port})")
+    security = security or Security()
+    security.check_exposure(host, port, "the member")
     pair = None
     for _ in range(1 if port else _ATTEMPTS):
-        pair = await _bind_pair(host, port)
+        pair = await _bind_pair(host, port, security)
         if pair is not None:
             break
     if pair is None:
         raise OSError(f"found no free pair of adjacent ports on {host}")
     server, http = pair
     bound = port or http.getsockname()[1] - 1
-    endpoint = f"grpc://{_address(host, bound)}"
+    endpoint = security.endpoint(advertise or host, bound)
     if not member.options.endpoint:
         member.options.endpoint = endpoint
     api = ShardAPI(
         member.keyspace,
         member.config.keyspace_root,
         member.service,
-        endpoint,
+        member.options.endpoint,
         member.options.member_id(),
+        security=security,
     )
     consumer_grpc.add_ShardServicer_to_server(api, server)
     try:
         await server.start()
         runner = await start_http(
-            member.service, sock=http, query_timeout=member.runtime.watchdog.limit
+            member.service, host, sock=http, query_timeout=member.runtime.watchdog.limit,
+            security=security,
         )
     except BaseException:
         http.close()
@@ -165,10 +187,11 @@ async def serve_member_apis(member: Member, host: str = "127.0.0.1", port: int =
         raise
     _close_when_stopped(server, api)
     log.info(
-        "member %s: Shard API on %s, HTTP on %s",
+        "member %s: Shard API on %s, HTTP on %s (%s)",
         member.options.member_id(),
         endpoint,
         _address(host, bound + 1),
+        security.describe(),
     )
     return MemberAPIs(server, runner, bound)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from streamkit.app.assignment import parse_assignment_key, parse_member_key
 from streamkit.app.config import PARTITION_PER_SHARD, AppConfig
+from streamkit.app.member_http import http_url
 from streamkit.keyspace.keyspace import KeySpace
 from streamkit.protocol import consumer_pb
 
@@ -26,13 +27,12 @@ class Primary:
 
     shard: str
     member: str
-    endpoint: str  # grpc://host:port of the member's Shard API (HTTP on port + 1)
+    endpoint: str  # grpc:// or https://host:port of its Shard API (HTTP on port + 1)
     status: consumer_pb.ReplicaStatus
 
     @property
     def http_url(self) -> str:
-        host, _, port = self.endpoint.removeprefix("grpc://").rpartition(":")
-        return f"http://{host}:{int(port) + 1}"
+        return http_url(self.endpoint)
 
 
 class Resolver:

@@ -9,9 +9,17 @@ already has one, so a stale view can't bounce a request around.
 
 Errors become statuses by type: `BadRequest` (the client's mistake) is
 INVALID_ARGUMENT naming the field, `CorruptHints` DATA_LOSS, KeySpace trouble
-UNAVAILABLE, and anything else — a bug, or the application's `read_through`
+UNAVAILABLE, an authorization refusal UNAUTHENTICATED or PERMISSION_DENIED,
+and anything else — a bug, or the application's `read_through`
 failing — INTERNAL, logged with its traceback. A ValueError is not taken for a
 bad request: only the request checks say what is the client's fault.
+
+With auth keys, the server's `ServerAuth` interceptor (SHARD_CAPABILITIES)
+checks each call's capability and binds its claims; the shards they don't
+cover (by `id` and labels) are then left out of List, and Stat, GetHints,
+Apply and Unassign of them are refused with PERMISSION_DENIED naming the shard,
+as Gazette's consumer does. Apply checks a shard's labels before and after the
+change, so a token can't move a shard into or out of its reach.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -41,6 +49,10 @@ from streamkit.app.shard_ops import (
 )
 from streamkit.app.stat_client import StatClient, find_primary, forwarded
 from streamkit.app.waits import first_of
+from streamkit.auth.grpc_auth import status_code
+from streamkit.auth.scope import current_claims, require_shard, shard_allowed
+from streamkit.auth.settings import Security
+from streamkit.auth.tokens import AuthError
 from streamkit.client.broker_client import normalize_address
 from streamkit.keyspace.keyspace import KeySpace, KeySpaceError
 from streamkit.protocol import consumer_pb, pb
@@ -83,7 +95,7 @@ class ShardAPI(consumer_grpc.ShardServicer):
     """Serves the Shard API for one member (`service` None: a process running no shards).
 
     Stat requests forwarded to other members go through `stats` (by default a
-    StatClient of this servicer's own, closed by `close()`).
+    StatClient of this servicer's own, dialling with `security`, closed by `close()`).
     """
 
     def __init__(
@@ -94,6 +106,7 @@ class ShardAPI(consumer_grpc.ShardServicer):
         member_endpoint: str,
         member_id: MemberId | None = None,
         stats: StatClient | None = None,
+        security: Security | None = None,
     ) -> None:
         self.keyspace = keyspace
         self.root = root.rstrip("/")
@@ -101,7 +114,7 @@ class ShardAPI(consumer_grpc.ShardServicer):
         self.member_endpoint = member_endpoint
         self.member_id = member_id
         self._owns_stats = stats is None
-        self.stats = stats if stats is not None else StatClient()
+        self.stats = stats if stats is not None else StatClient(security)
 
     async def close(self) -> None:
         """Close the channels to other members (when the StatClient is this servicer's own)."""
@@ -122,6 +135,8 @@ class ShardAPI(consumer_grpc.ShardServicer):
             await context.abort(grpc.StatusCode.DATA_LOSS, str(err))
         except KeySpaceError as err:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KeySpace: {err}")
+        except AuthError as err:
+            await context.abort(status_code(err), str(err))
         except Exception as err:
             log.exception("Shard API %s failed", what)
             await context.abort(grpc.StatusCode.INTERNAL, f"{what}: {type(err).__name__}: {err}")
@@ -135,6 +150,20 @@ class ShardAPI(consumer_grpc.ShardServicer):
             self.member_endpoint
         )
 
+    async def _require_shards(
+        self, shards: Iterable[str], labels: dict[str, pb.LabelSet] | None = None
+    ) -> None:
+        """Raise PermissionDenied unless the call's claims cover each shard with its current
+        labels (and with `labels[shard]`, what an Apply gives it). Without claims: nothing."""
+        if current_claims() is None:
+            return
+        items = (await read_state(self.keyspace, self.root)).items
+        for shard in shards:
+            spec = items.get(shard)
+            require_shard(shard, spec.labels if spec is not None else None)
+            if labels is not None and shard in labels:
+                require_shard(shard, labels[shard])
+
     def _local(self, shard: str) -> Replica | None:
         return self.service.replicas.get(shard) if self.service is not None else None
 
@@ -143,37 +172,55 @@ class ShardAPI(consumer_grpc.ShardServicer):
     async def List(
         self, request: consumer_pb.ListRequest, context: Any
     ) -> consumer_pb.ListResponse:
-        return await self._run(
-            "List", context, list_shards(self.keyspace, self.root, request.selector)
-        )
+        return await self._run("List", context, self._list(request))
+
+    async def _list(self, request: consumer_pb.ListRequest) -> consumer_pb.ListResponse:
+        response = await list_shards(self.keyspace, self.root, request.selector)
+        if current_claims() is not None:
+            kept = [s for s in response.shards if shard_allowed(s.spec.id, s.spec.labels)]
+            del response.shards[:]
+            response.shards.extend(kept)
+        return response
 
     async def Apply(
         self, request: consumer_pb.ApplyRequest, context: Any
     ) -> consumer_pb.ApplyResponse:
-        return await self._run(
-            "Apply", context, apply_shards(self.keyspace, self.root, list(request.changes))
+        return await self._run("Apply", context, self._apply(request))
+
+    async def _apply(self, request: consumer_pb.ApplyRequest) -> consumer_pb.ApplyResponse:
+        changes = list(request.changes)
+        upserts = {c.upsert.id: c.upsert.labels for c in changes if c.HasField("upsert")}
+        await self._require_shards(
+            [c.upsert.id if c.HasField("upsert") else c.delete for c in changes], upserts
         )
+        return await apply_shards(self.keyspace, self.root, changes)
 
     async def GetHints(
         self, request: consumer_pb.GetHintsRequest, context: Any
     ) -> consumer_pb.GetHintsResponse:
-        return await self._run(
-            "GetHints", context, get_hints(self.keyspace, self.root, request.shard)
-        )
+        return await self._run("GetHints", context, self._get_hints(request))
+
+    async def _get_hints(
+        self, request: consumer_pb.GetHintsRequest
+    ) -> consumer_pb.GetHintsResponse:
+        await self._require_shards([request.shard])
+        return await get_hints(self.keyspace, self.root, request.shard)
 
     async def Unassign(
         self, request: consumer_pb.UnassignRequest, context: Any
     ) -> consumer_pb.UnassignResponse:
-        return await self._run(
-            "Unassign",
-            context,
-            unassign_shards(
-                self.keyspace,
-                self.root,
-                request.shards,
-                only_failed=request.only_failed,
-                dry_run=request.dry_run,
-            ),
+        return await self._run("Unassign", context, self._unassign(request))
+
+    async def _unassign(
+        self, request: consumer_pb.UnassignRequest
+    ) -> consumer_pb.UnassignResponse:
+        await self._require_shards(request.shards)
+        return await unassign_shards(
+            self.keyspace,
+            self.root,
+            request.shards,
+            only_failed=request.only_failed,
+            dry_run=request.dry_run,
         )
 
     async def Stat(
@@ -187,6 +234,7 @@ class ShardAPI(consumer_grpc.ShardServicer):
     ) -> consumer_pb.StatResponse:
         _check_stat(request)
         shard = request.shard
+        await self._require_shards([shard])
         while True:
             replica = self._local(shard)
             if replica is not None and replica.status.code == PRIMARY:

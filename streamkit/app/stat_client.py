@@ -16,6 +16,8 @@ import grpc
 
 from streamkit.app.assignment import AllocState, MemberId
 from streamkit.app.shard_ops import endpoint_of, response_header, shard_route
+from streamkit.auth.settings import Security
+from streamkit.auth.tokens import Capability
 from streamkit.client.broker_client import normalize_address
 from streamkit.client.closing import AsyncClosing
 from streamkit.protocol import consumer_pb
@@ -62,10 +64,14 @@ class StatClient(AsyncClosing):
 
     A channel found broken after a failed call is dropped, so members that went
     away don't pile up. Close with `close()` (or use as an async context manager).
+    `security` dials `https://` members with TLS and, with keys, signs each call a
+    token for READ of the one shard asked about.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, security: Security | None = None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.security = security or Security()
+        self._signer = self.security.signer()
 
     @property
     def endpoints(self) -> list[str]:
@@ -76,7 +82,7 @@ class StatClient(AsyncClosing):
         target = normalize_address(endpoint)
         channel = self._channels.get(target)
         if channel is None:
-            channel = self._channels[target] = grpc.aio.insecure_channel(target)
+            channel = self._channels[target] = self.security.open_channel(target)
         return channel
 
     async def stat(
@@ -84,8 +90,11 @@ class StatClient(AsyncClosing):
     ) -> consumer_pb.StatResponse:
         """Stat at the member serving `endpoint`; raises grpc.aio.AioRpcError as the call does."""
         channel = self._channel(endpoint)
+        metadata = (self._signer.for_shard(Capability.READ, request.shard)
+                    if self._signer is not None else None)
         try:
-            return await consumer_grpc.ShardStub(channel).Stat(request, timeout=timeout)
+            return await consumer_grpc.ShardStub(channel).Stat(request, timeout=timeout,
+                                                               metadata=metadata)
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.UNAVAILABLE:
                 await self._drop_if_broken(normalize_address(endpoint), channel)

@@ -3,7 +3,7 @@
 Every command that serves or dials takes the same options (see
 `streamkit.cli.security_options`) and turns them into one `Security`; servers
 and clients ask it for what they need instead of reading options themselves,
-so the broker, the client library and (later) the members agree on what each
+so the broker, the client library and the members agree on what each
 setting means. `Security()` is the loopback default: plaintext, no tokens,
 and no interceptor on any call path.
 """

@@ -25,7 +25,7 @@ from streamkit.auth.tokens import Capability, TokenSource
 from streamkit.protocol import pb
 from streamkit.protocol.labels import label_set
 
-__all__ = ["Metadata", "Signer", "journal_selector"]
+__all__ = ["Metadata", "Signer", "journal_selector", "shard_selector"]
 
 Metadata = tuple[tuple[str, str], ...]  # gRPC call metadata
 
@@ -35,6 +35,11 @@ _SCOPES = 4096  # scopes kept signed; a client touching more re-signs the least 
 def journal_selector(journal: str) -> pb.LabelSelector:
     """`name=<journal>`, without a `;metadata` suffix (as Gazette's StripMeta)."""
     return pb.LabelSelector(include=label_set(("name", journal.split(";", 1)[0])))
+
+
+def shard_selector(shard_id: str) -> pb.LabelSelector:
+    """`id=<shard>`: what a call about one shard needs (a Stat, a query)."""
+    return pb.LabelSelector(include=label_set(("id", shard_id)))
 
 
 class Signer:
@@ -50,6 +55,10 @@ class Signer:
     def for_journal(self, cap: Capability, journal: str) -> Metadata:
         """Metadata for a call needing `cap` on `journal` alone."""
         return self._metadata((int(cap), journal), cap, lambda: journal_selector(journal))
+
+    def for_shard(self, cap: Capability, shard_id: str) -> Metadata:
+        """Metadata for a call needing `cap` on shard `shard_id` alone."""
+        return self.for_selector(cap, shard_selector(shard_id))
 
     def for_selector(self, cap: Capability, selector: pb.LabelSelector | None = None) -> Metadata:
         """Metadata for a call needing `cap` over `selector` (None: every journal)."""

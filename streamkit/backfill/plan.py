@@ -22,6 +22,7 @@ retention) are skipped, as a live reader skips them.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -31,6 +32,9 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from streamkit.app.config import PARTITION_PER_SHARD, AppConfig
+from streamkit.auth.keys import ALLOW_MISSING_KEY, parse_keys
+from streamkit.auth.settings import Security
+from streamkit.auth.tls import ClientTls
 from streamkit.backfill.errors import BackfillError
 from streamkit.client import (
     BrokerClient,
@@ -141,6 +145,22 @@ class BackfillPlan:
     fragment_root: str | None  # the broker's file:// fragment store root, if reachable
     txn_size: int  # messages per transaction; 0: as many as the shard's max_txn_duration allows
     shards: list[ShardPlan]
+    # How executors dial the broker, as plain data (see `security_data`): it travels to
+    # Spark's Python workers with the plan. Holds the keys: never printed (`summary`).
+    security: dict[str, str] = field(default_factory=dict)
+
+    def client_security(self) -> Security:
+        """The driver's Security for dialling the broker, rebuilt on an executor."""
+        data = self.security
+        ca, cert, key = (data.get(name) for name in ("tls_ca", "tls_client_cert",
+                                                      "tls_client_key"))
+        client_tls = None
+        if ca or cert:
+            client_tls = ClientTls(ca=Path(ca) if ca else None, cert=Path(cert) if cert else None,
+                                   key=Path(key) if key else None)
+        keys = parse_keys(data["auth_keys"], "the backfill's auth keys") \
+            if data.get("auth_keys") else None
+        return Security(keys=keys, client_tls=client_tls)
 
     @property
     def store_kind(self) -> str:
@@ -181,14 +201,16 @@ class BackfillPlan:
         }
 
     def to_json(self) -> str:
-        """The whole plan (fragments included, as hex) as JSON."""
+        """The whole plan (fragments included, as hex) as JSON, but not its keys."""
 
         def encode(value: Any) -> Any:
             if isinstance(value, bytes):
                 return value.hex()
             raise TypeError(type(value).__name__)
 
-        return json.dumps(asdict(self), default=encode)
+        document = asdict(self)
+        document.pop("security", None)
+        return json.dumps(document, default=encode)
 
 
 def config_document(config: AppConfig) -> dict[str, Any]:
@@ -411,6 +433,22 @@ async def _make_rekeyed_plan(
         for spec in specs
     ]
     return _backfill_plan(config, broker, keyspace, root, txn_size, shards)
+
+
+def security_data(security: Security) -> dict[str, str]:
+    """What `BackfillPlan.client_security` rebuilds: the keys as text and the client TLS
+    files as absolute paths (executors on this machine, or seeing the same files)."""
+    data: dict[str, str] = {}
+    if security.keys is not None:
+        words = [base64.b64encode(k).decode() for k in security.keys.verifying]
+        data["auth_keys"] = " ".join(words + [ALLOW_MISSING_KEY] * security.keys.allow_missing)
+    tls = security.client_tls
+    if tls is not None:
+        for name, path in (("tls_ca", tls.ca), ("tls_client_cert", tls.cert),
+                           ("tls_client_key", tls.key)):
+            if path is not None:
+                data[name] = str(Path(path).resolve())
+    return data
 
 
 def _backfill_plan(config: AppConfig, broker: str, keyspace: str, root: Path | None,

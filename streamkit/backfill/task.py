@@ -333,7 +333,7 @@ async def run_shard(
     work = Path(tempfile.mkdtemp(prefix=f"backfill-{shard_plan.shard_id}-", dir=scratch))
     recorded = records_to_log(config.store_kind)
     try:
-        async with BrokerClient(plan.broker) as client:
+        async with BrokerClient(plan.broker, plan.client_security()) as client:
             shard = _shard(plan, shard_plan, client, app_dir, work / "store")
             app = app_class()
             fs = await local_fs(work / "store") if recorded else None

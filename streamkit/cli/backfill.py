@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,13 @@ from streamkit.app.config import AppConfig
 from streamkit.app.layout import Layout, read_layout
 from streamkit.app.member import deploy
 from streamkit.app.store_kinds import STORE_KINDS
+from streamkit.auth.settings import Security
 from streamkit.cli.children import Child, port_in_use
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command, warn
 from streamkit.cli.logs import configure_logging
 from streamkit.cli.output import echo_json, echo_table, format_size, plural
 from streamkit.cli.run import DEFAULT_BROKER_PORT, app_config, keyspace_url_of, start_bundled_broker
+from streamkit.cli.security_options import security_options
 from streamkit.client import BrokerClient
 from streamkit.keyspace import open_keyspace
 from streamkit.keyspace.keyspace import KeySpace
@@ -54,8 +57,10 @@ async def _shard_specs(config: AppConfig, keyspace: KeySpace) -> list[consumer_p
 
 @contextlib.asynccontextmanager
 async def _broker(config: AppConfig, broker: str | None, port: int, keyspace_url: str,
-                  fragment_root: Path | None) -> AsyncIterator[tuple[str, Path | None]]:
-    """(address, fragment root): the named broker, the app's running one, or one started here."""
+                  fragment_root: Path | None, security: Security,
+                  ) -> AsyncIterator[tuple[str, Path | None]]:
+    """(address, fragment root): the named broker, the app's running one, or one started here
+    (requiring tokens when `security` has keys)."""
     if broker is not None:
         yield broker, fragment_root
         return
@@ -64,7 +69,7 @@ async def _broker(config: AppConfig, broker: str | None, port: int, keyspace_url
     if port_in_use(port):
         yield f"127.0.0.1:{port}", root if root.is_dir() else None
         return
-    child: Child = start_bundled_broker(config, port, keyspace_url)
+    child: Child = start_bundled_broker(config, port, keyspace_url, security)
     try:
         yield f"127.0.0.1:{port}", root
     finally:
@@ -157,15 +162,20 @@ def _progress_printer() -> Any:
                    "max_duration, as live ones).")
 @click.option("--log-level", default="WARNING", show_default=True,
               envvar="STREAMKIT_LOG_LEVEL")
+@security_options(dials=True)
 @async_command()
 async def backfill(app_dir: Path, use_spark: bool, plan_only: bool, as_json: bool, master: str,
                    spark_conf: tuple[str, ...], broker: str | None, port: int,
                    keyspace: str | None, fragment_root: Path | None, ends: tuple[str, ...],
                    store: str | None, shards: int | None, txn_size: int | None,
-                   log_level: str) -> None:
-    """Recompute APP_DIR's state (default: the current folder) from its journals' history."""
+                   log_level: str, security: Security) -> None:
+    """Recompute APP_DIR's state (default: the current folder) from its journals' history.
+
+    The security options dial the broker, from here and from Spark's executors (which get
+    the keys and the certificate paths with the plan).
+    """
     from streamkit.backfill.errors import BackfillError
-    from streamkit.backfill.plan import make_plan, parse_ends
+    from streamkit.backfill.plan import make_plan, parse_ends, security_data
     from streamkit.backfill.reshard import apply_layout, finish_layout, next_layout
 
     configure_logging(log_level)
@@ -180,8 +190,9 @@ async def backfill(app_dir: Path, use_spark: bool, plan_only: bool, as_json: boo
         config, _ = app_config(app_dir, shards, None, store)
         keyspace_url = keyspace_url_of(config, keyspace)
         async with (
-            _broker(config, broker, port, keyspace_url, fragment_root) as (address, root),
-            BrokerClient(address) as client,
+            _broker(config, broker, port, keyspace_url, fragment_root,
+                    security) as (address, root),
+            BrokerClient(address, security) as client,
             open_keyspace(keyspace_url) as ks,
         ):
             layout = await read_layout(ks, config.keyspace_root)
@@ -204,6 +215,7 @@ async def backfill(app_dir: Path, use_spark: bool, plan_only: bool, as_json: boo
             plan = await make_plan(config, client, specs, broker=address,
                                    keyspace=_absolute(keyspace_url), fragment_root=root,
                                    ends=end_offsets, txn_size=txn_size or 0, epochs=epochs)
+            plan = replace(plan, security=security_data(security))
             if plan_only:
                 if as_json:
                     echo_json(plan.summary())

@@ -47,9 +47,10 @@ class Child:
     """A running child process with its log file (and, if asked, a file with its pid)."""
 
     def __init__(self, name: str, proc: subprocess.Popen[bytes], log_path: Path,
-                 args: list[str] | None = None, pid_file: Path | None = None) -> None:
+                 args: list[str] | None = None, pid_file: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.name, self.proc, self.log_path = name, proc, log_path
-        self.args, self.pid_file = args or [], pid_file
+        self.args, self.pid_file, self.env = args or [], pid_file, env
 
     def tail(self, lines: int = 20) -> str:
         try:
@@ -81,7 +82,7 @@ class Child:
 
     def restarted(self) -> Child:
         """The same command started again, logging to the same file."""
-        return start_child(self.name, self.args, self.log_path, self.pid_file)
+        return start_child(self.name, self.args, self.log_path, self.pid_file, self.env)
 
     def stop(self, timeout: float = 20.0) -> int | None:
         """SIGTERM (a graceful stop), then SIGKILL after `timeout`."""
@@ -100,18 +101,20 @@ class Child:
 
 
 def start_child(name: str, args: list[str], log_path: Path,
-                pid_file: Path | None = None) -> Child:
-    """Start `streamkit ARGS...` with this interpreter, logging to `log_path`."""
+                pid_file: Path | None = None, env: dict[str, str] | None = None) -> Child:
+    """Start `streamkit ARGS...` with this interpreter, logging to `log_path`, in `env`
+    (default: this process's environment; the security settings go this way)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "streamkit.cli.main", *args],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=_die_with_parent,
+            env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
         )
     if pid_file is not None:  # for people (and tests) looking for the process
         pid_file.write_text(f"{proc.pid}\n")
-    return Child(name, proc, log_path, args, pid_file)
+    return Child(name, proc, log_path, args, pid_file, env)
 
 
 class Supervisor:

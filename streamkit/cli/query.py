@@ -1,11 +1,14 @@
-"""`streamkit query`: ask a running application's shards, where their primaries run."""
+"""`streamkit query`: ask a running application's shards, where their primaries run.
+
+With auth keys each request carries a token for READ of its one shard; a member
+on TLS (an `https://` endpoint) is asked over https, trusting --tls-ca.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -13,26 +16,33 @@ import click
 
 from streamkit.app.config import load_config
 from streamkit.app.layout import deployed_config
+from streamkit.app.member_http import open_member_url
 from streamkit.app.resolver import Primary, Resolver
+from streamkit.auth.settings import Security
+from streamkit.auth.tokens import Capability
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command, warn
 from streamkit.cli.output import plural
+from streamkit.cli.security_options import security_options
 from streamkit.keyspace import open_keyspace
 
 __all__ = ["query"]
 
 
-def _ask(primary: Primary, request: dict[str, Any], timeout: float) -> Any:
+def _ask(primary: Primary, request: dict[str, Any], timeout: float,
+         security: Security) -> Any:
     """The shard's answer; a CliError if it gave none within `timeout` seconds (a member
     whose query hook, or any other hook, blocks it answers nothing)."""
     url = f"{primary.http_url}/query/{primary.shard}"
     body = json.dumps(request).encode()
-    req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as response:
+        with open_member_url(security, url, body, cap=Capability.READ, shard=primary.shard,
+                             timeout=timeout) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as err:
-        detail = err.read().decode(errors="replace").strip()
-        raise CliError(f"shard {primary.shard}: {detail or err.reason}",
+        detail = " ".join(err.read().decode(errors="replace").split())
+        refused = {401: "refused (no valid token: give --auth-keys or AUTH_KEYS): ",
+                   403: "refused: "}.get(err.code, "")
+        raise CliError(f"shard {primary.shard}: {refused}{detail or err.reason}",
                        DATA_ERROR if err.code == 400 else 1) from None
     except TimeoutError:
         raise CliError(f"shard {primary.shard}: no answer from {url} within {timeout:g}s "
@@ -54,9 +64,10 @@ def _ask(primary: Primary, request: dict[str, Any], timeout: float) -> Any:
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0,
               show_default=True, metavar="SECONDS",
               help="How long to wait for each shard's answer.")
+@security_options(dials=True)
 @async_command()
 async def query(app_dir: Path, request: str, key: str | None, shard: str | None,
-                keyspace: str | None, timeout: float) -> None:
+                keyspace: str | None, timeout: float, security: Security) -> None:
     """Send REQUEST (a JSON object) to APP_DIR's shards and print the answer.
 
     Without --key or --shard every shard of the app as deployed is asked,
@@ -87,8 +98,9 @@ async def query(app_dir: Path, request: str, key: str | None, shard: str | None,
                            f"{config.shard_ids()[-1]})", DATA_ERROR)
         wanted = [shard] if shard is not None else config.shard_ids()
         asked = [s for s in wanted if s in primaries]
-        results = await asyncio.gather(*(asyncio.to_thread(_ask, primaries[s], parsed, timeout)
-                                         for s in asked), return_exceptions=True)
+        results = await asyncio.gather(
+            *(asyncio.to_thread(_ask, primaries[s], parsed, timeout, security) for s in asked),
+            return_exceptions=True)
     by_shard: dict[str, Any] = {}
     failures = {s: "no primary is serving it" for s in wanted if s not in primaries}
     for shard_id, result in zip(asked, results, strict=True):

@@ -12,6 +12,12 @@ broker acknowledged survive), giving up after a few quick failures in a row.
 `serve` is one member process alone, for running an app's shards across
 machines against a shared broker and KeySpace.
 
+Both take the security options (`security_options`): the member dials the
+broker and other members with them, and its Shard API and HTTP API serve TLS
+and check tokens with them. `run` hands them to its workers and its bundled
+broker through the environment (keys stay out of command lines), so with keys
+the bundled broker requires tokens too, and with --tls-cert it serves TLS.
+
 A member that stops itself because one of its loops failed (see
 `streamkit.app.member`) ends `run` and `serve` with exit code 1 and a line naming the loop.
 """
@@ -26,6 +32,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -37,9 +44,11 @@ from streamkit.app.replica import STOP_TIMEOUT
 from streamkit.app.store_kinds import STORE_KINDS
 from streamkit.app.waits import first_of
 from streamkit.app.watchdog import Stuck
+from streamkit.auth.settings import Exposed, Security
 from streamkit.cli.children import Child, Supervisor, port_in_use, start_child
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command
 from streamkit.cli.logs import configure_logging
+from streamkit.cli.security_options import security_env, security_options
 from streamkit.client import BrokerClient, TransportError
 from streamkit.keyspace import open_keyspace
 from streamkit.keyspace.keyspace import KeySpace
@@ -81,16 +90,22 @@ def keyspace_url_of(config: AppConfig, keyspace: str | None) -> str:
 async def _member(config: AppConfig, app_class: type, client: BrokerClient, keyspace: KeySpace,
                   *, suffix: str, broker_file_root: Path | None,
                   stop_timeout: Callable[[], float] = lambda: STOP_TIMEOUT,
+                  security: Security | None = None, host: str = "127.0.0.1",
+                  port: int = 0, advertise: str | None = None,
                   ) -> AsyncIterator[Member]:
-    """A member with its Shard API and HTTP endpoints, stopped gracefully on exit (its
-    commits bounded by `stop_timeout()`, asked as the stop begins)."""
+    """A member with its Shard API and HTTP endpoints (on `host`, announced as `advertise`
+    when given), stopped gracefully on exit (its commits bounded by `stop_timeout()`, asked
+    as the stop begins)."""
     from streamkit.app.member_apis import serve_member_apis
 
     options = MemberOptions(work_dir=config.data_dir / "shards" / suffix, suffix=suffix,
                             file_root=broker_file_root)
     member = Member(config, app_class, client, keyspace, options)
-    grpc_server, http_runner, port = await serve_member_apis(member)
-    options.endpoint = f"grpc://127.0.0.1:{port}"
+    try:
+        grpc_server, http_runner, _ = await serve_member_apis(member, host, port, security,
+                                                              advertise)
+    except (OSError, Exposed) as err:
+        raise CliError(f"the member cannot serve its APIs: {err}", DATA_ERROR) from None
     try:
         await member.start()
         yield member
@@ -181,8 +196,10 @@ async def _until_signalled(supervising: asyncio.Task[None] | None = None,
         raise CliError(f"member {member.options.member_id()} stopped: {member.failure}")
 
 
-def start_bundled_broker(config: AppConfig, port: int, keyspace_url: str) -> Child:
-    """The bundled broker on `port` (HTTP on the next), its pid in .streamkit/broker.pid."""
+def start_bundled_broker(config: AppConfig, port: int, keyspace_url: str,
+                         security: Security | None = None) -> Child:
+    """The bundled broker on `port` (HTTP on the next), its pid in .streamkit/broker.pid;
+    with `security`'s keys and certificate (given through its environment)."""
     if port_in_use(port) or port_in_use(port + 1):
         raise CliError(f"port {port} or {port + 1} is in use: is a broker already running? "
                        f"Pass --broker 127.0.0.1:{port} to use it, or --port to pick others",
@@ -191,7 +208,8 @@ def start_bundled_broker(config: AppConfig, port: int, keyspace_url: str) -> Chi
     child = start_child("the bundled broker", [
         "broker", "serve", "--data-dir", str(data), "--port", str(port),
         "--keyspace", keyspace_url], config.data_dir / "broker.log",
-        config.data_dir / "broker.pid")
+        config.data_dir / "broker.pid",
+        security_env(security, dict(os.environ)) if security is not None else None)
     child.wait_listening(port)
     return child
 
@@ -202,8 +220,8 @@ def start_bundled_broker(config: AppConfig, port: int, keyspace_url: str) -> Chi
               help="Number of shards (default: streamkit.yaml's). Topics whose partitions "
                    "streamkit.yaml leaves out get one per shard.")
 @click.option("--broker", default=None, metavar="HOST:PORT",
-              help="Use this broker (any that speaks the Journal protocol) instead of "
-                   "starting the bundled one.")
+              help="Use this broker (any that speaks the Journal protocol; https://HOST:PORT "
+                   "for TLS) instead of starting the bundled one.")
 @click.option("--port", type=click.IntRange(1, 65534), default=DEFAULT_BROKER_PORT,
               show_default=True, help="Port of the bundled broker (HTTP on the next one).")
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
@@ -218,11 +236,17 @@ def start_bundled_broker(config: AppConfig, port: int, keyspace_url: str) -> Chi
               help="Show the live status table (default: when stdout is a terminal).")
 @click.option("--log-level", default="WARNING", show_default=True, envvar="STREAMKIT_LOG_LEVEL",
               type=click.Choice(_LEVELS, case_sensitive=False), help="Log level of the shards.")
+@security_options(serves=True, dials=True)
 @async_command(interrupt_exit=0)
 async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, workers: int,
               standbys: int | None, store: str | None, keyspace: str | None,
-              status: bool | None, log_level: str) -> None:
-    """Run APP_DIR's shards (default: the current folder) until Ctrl-C."""
+              status: bool | None, log_level: str, security: Security) -> None:
+    """Run APP_DIR's shards (default: the current folder) until Ctrl-C.
+
+    With --auth-keys the bundled broker and the members require tokens, and with
+    --tls-cert and --tls-key they serve TLS (give --tls-ca too, for the members to
+    trust it).
+    """
     from streamkit.cli.run_status import StatusView
 
     configure_logging(log_level)
@@ -247,9 +271,11 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
 
     try:
         if broker is None:
-            bundled = Supervisor(start_bundled_broker(config, port, keyspace_url), port)
+            bundled = Supervisor(start_bundled_broker(config, port, keyspace_url, security),
+                                 port)
             supervising = asyncio.create_task(bundled.run(), name="broker supervisor")
-            broker = f"127.0.0.1:{port}"
+            scheme = "https://" if security.server_tls is not None else ""
+            broker = f"{scheme}127.0.0.1:{port}"
             file_root = config.data_dir / "broker" / "fragments"
         # Workers start before this process opens gRPC channels: forking a process
         # with gRPC's threads running is what gRPC warns about.
@@ -260,14 +286,17 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
             if file_root is not None:
                 args += ["--file-root", str(file_root)]
             workers_.append(start_child(f"worker {index}", args,
-                                        config.data_dir / f"worker-{index}.log"))
-        async with BrokerClient(broker) as client, open_keyspace(keyspace_url) as ks:
+                                        config.data_dir / f"worker-{index}.log",
+                                        env=security_env(security, dict(os.environ))))
+        async with BrokerClient(broker, security) as client, open_keyspace(keyspace_url) as ks:
             await _deploy_when_ready(config, client, ks, broker)
             await _wait_for_members(config, ks, workers_)
             async with _member(config, app_class, client, ks, suffix="worker-0",
-                               broker_file_root=file_root, stop_timeout=stop_timeout) as member:
+                               broker_file_root=file_root, stop_timeout=stop_timeout,
+                               security=security) as member:
                 view = StatusView(config, ks, live=status,
-                                  notice=bundled.state if bundled is not None else None)
+                                  notice=bundled.state if bundled is not None else None,
+                                  security=security)
                 viewing = asyncio.create_task(view.run())
                 try:
                     await _until_signalled(
@@ -301,7 +330,7 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
 @click.command("serve")
 @click.argument("app_dir", default=".", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--broker", required=True, metavar="HOST:PORT", envvar="STREAMKIT_BROKER",
-              help="The broker the app's journals live on.")
+              help="The broker the app's journals live on (https://HOST:PORT for TLS).")
 @click.option("--keyspace", default=None,
               help="KeySpace (default: APP_DIR/.streamkit/keyspace.db).")
 @click.option("--shards", type=click.IntRange(1, 1000), default=None,
@@ -311,19 +340,40 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
               help="Store kind, overriding streamkit.yaml (must match the other members).")
 @click.option("--file-root", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="The broker's file:// fragment root, read directly when on this machine.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address the Shard API and HTTP API bind (0.0.0.0: every address; beyond "
+                   "loopback it needs --auth-keys, or --insecure).")
+@click.option("--port", type=click.IntRange(0, 65534), default=0, show_default=True,
+              help="Shard API port (HTTP on the next one); 0 picks a free pair.")
+@click.option("--advertise", default=None, metavar="HOST",
+              help="The host name other members and clients reach this member by "
+                   "[default: --host, or the machine's name when it is 0.0.0.0].")
 @click.option("--log-level", default="INFO", show_default=True, envvar="STREAMKIT_LOG_LEVEL",
               type=click.Choice(_LEVELS, case_sensitive=False), help="Log level.")
+@security_options(serves=True, dials=True)
 @async_command(interrupt_exit=0)
 async def serve(app_dir: Path, broker: str, keyspace: str | None, shards: int | None,
-                suffix: str | None,
-                store: str | None, file_root: Path | None, log_level: str) -> None:
-    """Run one member process of APP_DIR's shards until SIGTERM or Ctrl-C."""
+                suffix: str | None, store: str | None, file_root: Path | None, host: str,
+                port: int, advertise: str | None, log_level: str,
+                security: Security) -> None:
+    """Run one member process of APP_DIR's shards until SIGTERM or Ctrl-C.
+
+    Beyond loopback (--host 0.0.0.0, say) it needs --auth-keys (or client
+    certificates required), unless --insecure.
+    """
     configure_logging(log_level)
+    try:
+        security.check_exposure(host, port, "the member")
+    except Exposed as err:
+        raise CliError(f"refusing to serve: {err}", DATA_ERROR) from None
+    if advertise:  # the HTTP API answers the name it is reached by
+        security = replace(security, allowed_hosts=(*security.allowed_hosts, advertise))
     config, app_class = app_config(app_dir, shards, None, store)
     suffix = suffix or f"{os.uname().nodename}-{os.getpid()}"
-    async with BrokerClient(broker) as client, open_keyspace(
+    async with BrokerClient(broker, security) as client, open_keyspace(
             keyspace_url_of(config, keyspace)) as ks:
         await check_layout(config, ks)
         async with _member(config, app_class, client, ks, suffix=suffix,
-                           broker_file_root=file_root) as member:
+                           broker_file_root=file_root, security=security, host=host,
+                           port=port, advertise=advertise) as member:
             await _until_signalled(member=member)

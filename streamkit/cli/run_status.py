@@ -15,7 +15,6 @@ import asyncio
 import json
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +23,10 @@ import click
 
 from streamkit.app.assignment import parse_assignment_key
 from streamkit.app.config import AppConfig
+from streamkit.app.member_http import http_url, open_member_url
 from streamkit.app.resolver import Resolver
+from streamkit.auth.settings import Security
+from streamkit.auth.tokens import Capability
 from streamkit.keyspace.keyspace import KeySpace
 from streamkit.protocol import consumer_pb
 
@@ -47,18 +49,20 @@ class ShardRow:
     errors: list[str] = field(default_factory=list)
 
 
-def _http_status(endpoint: str) -> list[dict[str, Any]]:
-    """A member's /status (its HTTP port is its gRPC port + 1)."""
-    host, _, port = endpoint.removeprefix("grpc://").rpartition(":")
+def _http_status(endpoint: str, security: Security) -> list[dict[str, Any]]:
+    """A member's /status (its HTTP port is its gRPC port + 1), with a LIST token when
+    `security` has keys."""
     try:
-        with urllib.request.urlopen(f"http://{host}:{int(port) + 1}/status", timeout=2) as r:
+        url = f"{http_url(endpoint)}/status"
+        with open_member_url(security, url, cap=Capability.LIST, timeout=2) as r:
             body = json.loads(r.read())
     except (OSError, ValueError):
         return []
     return body if isinstance(body, list) else body.get("shards", [])
 
 
-async def collect(config: AppConfig, keyspace: KeySpace) -> list[ShardRow]:
+async def collect(config: AppConfig, keyspace: KeySpace,
+                  security: Security | None = None) -> list[ShardRow]:
     """One snapshot of every shard's status."""
     root = config.keyspace_root
     rows = {shard_id: ShardRow(shard_id) for shard_id in config.shard_ids()}
@@ -75,7 +79,7 @@ async def collect(config: AppConfig, keyspace: KeySpace) -> list[ShardRow]:
             rows[parsed[0]].standbys += 1
     progress = {}
     for endpoint in set((await resolver.members()).values()):
-        for entry in await asyncio.to_thread(_http_status, endpoint):
+        for entry in await asyncio.to_thread(_http_status, endpoint, security or Security()):
             progress[entry.get("id")] = entry
     for shard_id in config.shard_ids():
         row = rows[shard_id]
@@ -95,8 +99,10 @@ class StatusView:
     """Redraws (or logs) the shards' status until cancelled."""
 
     def __init__(self, config: AppConfig, keyspace: KeySpace, live: bool | None = None,
-                 notice: Callable[[], str | None] | None = None) -> None:
+                 notice: Callable[[], str | None] | None = None,
+                 security: Security | None = None) -> None:
         self.config, self.keyspace = config, keyspace
+        self.security = security or Security()  # to ask the members' /status
         self.notice = notice or (lambda: None)
         self.live = sys.stdout.isatty() if live is None else live
         self._last: dict[str, tuple[float, int]] = {}
@@ -111,7 +117,7 @@ class StatusView:
                 await asyncio.sleep(10)
 
     async def _snapshot(self) -> list[ShardRow]:
-        rows = await collect(self.config, self.keyspace)
+        rows = await collect(self.config, self.keyspace, self.security)
         now = time.monotonic()
         for row in rows:
             before = self._last.get(row.shard)

@@ -9,6 +9,7 @@ before it does anything, with one line saying which setting is wrong.
 
 from __future__ import annotations
 
+import base64
 import functools
 import re
 from collections.abc import Callable
@@ -18,12 +19,12 @@ from typing import Any, TypeVar
 import click
 from click.core import ParameterSource
 
-from streamkit.auth.keys import AUTH_KEYS_ENV, AuthKeysError, parse_keys
+from streamkit.auth.keys import ALLOW_MISSING_KEY, AUTH_KEYS_ENV, AuthKeysError, parse_keys
 from streamkit.auth.settings import Security
 from streamkit.auth.tls import ClientTls, ServerTls, TlsError
 from streamkit.cli.errors import DATA_ERROR, CliError, reporting_errors
 
-__all__ = ["security_options"]
+__all__ = ["SECURITY_ENV", "security_env", "security_options"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -82,6 +83,37 @@ def _dialing() -> list[Decorator]:
         _file("--tls-client-key", "STREAMKIT_TLS_CLIENT_KEY",
               "The private key of --tls-client-cert (PEM)."),
     ]
+
+
+SECURITY_ENV = (AUTH_KEYS_ENV, "STREAMKIT_TLS_CERT", "STREAMKIT_TLS_KEY", "STREAMKIT_TLS_CA",
+                "STREAMKIT_TLS_REQUIRE_CLIENT_CERT", "STREAMKIT_ALLOWED_HOSTS",
+                "STREAMKIT_INSECURE", "STREAMKIT_TLS_CLIENT_CERT", "STREAMKIT_TLS_CLIENT_KEY")
+
+
+def security_env(security: Security, environ: dict[str, str]) -> dict[str, str]:
+    """`environ` with `security` as the environment variables of the options, for child
+    processes (`run`'s workers and bundled broker): keys stay out of their command lines,
+    where `ps` would show them. Variables of settings not made are removed."""
+    env = {name: value for name, value in environ.items() if name not in SECURITY_ENV}
+    if security.keys is not None:
+        words = [base64.b64encode(key).decode() for key in security.keys.verifying]
+        env[AUTH_KEYS_ENV] = " ".join(words + [ALLOW_MISSING_KEY] * security.keys.allow_missing)
+    server, client = security.server_tls, security.client_tls
+    if server is not None:
+        env["STREAMKIT_TLS_CERT"], env["STREAMKIT_TLS_KEY"] = str(server.cert), str(server.key)
+        if server.require_client_cert:
+            env["STREAMKIT_TLS_REQUIRE_CLIENT_CERT"] = "1"
+    ca = (server.ca if server is not None else None) or (client.ca if client else None)
+    if ca is not None:
+        env["STREAMKIT_TLS_CA"] = str(ca)
+    if client is not None and client.cert is not None and client.key is not None:
+        env["STREAMKIT_TLS_CLIENT_CERT"] = str(client.cert)
+        env["STREAMKIT_TLS_CLIENT_KEY"] = str(client.key)
+    if security.allowed_hosts:
+        env["STREAMKIT_ALLOWED_HOSTS"] = ",".join(security.allowed_hosts)
+    if security.insecure:
+        env["STREAMKIT_INSECURE"] = "1"
+    return env
 
 
 def _hosts(text: str | None) -> tuple[str, ...]:

@@ -15,10 +15,12 @@ from pathlib import Path
 import click
 
 from streamkit.app.shard_ops import get_hints, list_shards
+from streamkit.auth.settings import Security
 from streamkit.cli.errors import CliError, async_command, warn
 from streamkit.cli.journal_fragments import remove_fragment
 from streamkit.cli.journals import DEFAULT_FILE_ROOT, broker_option
 from streamkit.cli.output import plural
+from streamkit.cli.security_options import security_options
 from streamkit.cli.shards import app_options, opened
 from streamkit.client import BrokerClient, list_fragments
 from streamkit.keyspace import KeySpace
@@ -55,10 +57,11 @@ def _every(_ctx: click.Context, _param: click.Parameter, value: str | None) -> f
               help="Where file:/// stores live: the broker's --file-root.")
 @broker_option
 @app_options
+@security_options(dials=True)
 @async_command()
 async def prune_cmd(selector: str, dry_run: bool, every: float | None, file_root: Path,
                     broker: str, app_dir: Path, keyspace_url: str | None,
-                    root: str | None) -> None:
+                    root: str | None, security: Security) -> None:
     """Delete recovery-log fragments that no playback of the shards can need.
 
     A fragment is kept while it holds ops of a file live in the primary's latest
@@ -68,7 +71,7 @@ async def prune_cmd(selector: str, dry_run: bool, every: float | None, file_root
     parsed = parse_selector(selector)
     while True:
         async with opened(app_dir, keyspace_url, root) as (keyspace, app_root), \
-                BrokerClient(broker) as client:
+                BrokerClient(broker, security) as client:
             listed = (await list_shards(keyspace, app_root, parsed)).shards
             count = size = 0
             for shard in listed:

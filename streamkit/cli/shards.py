@@ -33,9 +33,11 @@ from streamkit.app.shard_ops import (
     unassign_shards,
 )
 from streamkit.app.stat_client import StatClient, find_primary
+from streamkit.auth.settings import Security
 from streamkit.cli.errors import DATA_ERROR, FAILURE, CliError, async_command, warn
 from streamkit.cli.inputs import read_text_input
 from streamkit.cli.output import echo_json, echo_table, format_labels, plural
+from streamkit.cli.security_options import security_options
 from streamkit.keyspace import open_keyspace
 from streamkit.keyspace.keyspace import KeySpace, KeySpaceError
 from streamkit.protocol import consumer_pb
@@ -380,7 +382,7 @@ def _stat_error(shard: str, status: int) -> CliError:
 
 
 async def _stat(keyspace: KeySpace, root: str, shard: str, read_through: dict[str, int],
-                timeout: float) -> tuple[consumer_pb.StatResponse, str, str]:
+                timeout: float, security: Security) -> tuple[consumer_pb.StatResponse, str, str]:
     """Stat from the shard's primary member: (response, member, endpoint)."""
     state = await read_state(keyspace, root)
     if shard not in state.items:
@@ -390,7 +392,7 @@ async def _stat(keyspace: KeySpace, root: str, shard: str, read_through: dict[st
         raise _stat_error(shard, consumer_pb.NO_SHARD_PRIMARY)
     name = str(primary.member)
     request = consumer_pb.StatRequest(shard=shard, read_through=read_through)
-    async with StatClient() as stats:
+    async with StatClient(security) as stats:
         try:
             response = await stats.stat(primary.endpoint, request, timeout=timeout)
         except grpc.aio.AioRpcError as err:
@@ -424,10 +426,11 @@ def _ago(when: float | None) -> str:
 @click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
 @app_options
+@security_options(dials=True)
 @async_command()
 async def stat_cmd(shard: str, read_through: tuple[tuple[str, int], ...], timeout: float,
                    output: str, app_dir: Path, keyspace_url: str | None,
-                   root: str | None) -> None:
+                   root: str | None, security: Security) -> None:
     """How far SHARD got: offsets read through per source and written through per output.
 
     With --read-through, answers only once the shard committed a transaction
@@ -435,7 +438,7 @@ async def stat_cmd(shard: str, read_through: tuple[tuple[str, int], ...], timeou
     """
     async with opened(app_dir, keyspace_url, root) as (keyspace, app_root):
         response, member, endpoint = await _stat(keyspace, app_root, shard, dict(read_through),
-                                                 timeout)
+                                                 timeout, security)
     try:
         extension = json.loads(response.extension) if response.extension else {}
     except ValueError:

@@ -1,0 +1,260 @@
+"""An app with TLS and authorization on, end to end: `streamkit run` of the wordcount example
+with auth keys and a certificate made here (its bundled broker gets them too), a feeder
+signing its appends, counts exact; then what each client gets with and without the keys:
+`streamkit query`, `shards stat`, the members' Shard API and HTTP API; and the refusal to
+serve beyond loopback without keys."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import ssl
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from streamkit.app.member_http import http_url
+from streamkit.auth import Capability, ClientTls, Security, parse_keys, sign
+from streamkit.auth.grpc_auth import AUTHORIZATION
+from streamkit.client.broker_client import normalize_address
+from streamkit.protocol import consumer_pb, pb
+from streamkit.protocol import consumer_pb2_grpc as consumer_grpc
+from tests.brokerproc import free_port
+from tests.e2e import (
+    VOCABULARY,
+    AppView,
+    Feeder,
+    Proc,
+    cli,
+    copy_wordcount,
+    expected_counts,
+    totals_of_updates,
+)
+from tests.test_auth_tls import Pki, pki  # noqa: F401 (pki is a fixture: the test's CA)
+
+KEYS_TEXT = base64.b64encode(b"streamkit-app-security-test-key!").decode()
+KEYS = parse_keys(KEYS_TEXT)
+STRANGER = base64.b64encode(b"a-key-the-members-have-never-had").decode()
+
+
+@dataclass
+class SecureApp:
+    app: Path
+    broker: str
+    pki: Pki
+    run: Proc
+    security: Security  # the keys, trusting the test's CA
+    serving: dict[str, str]  # shard -> its primary's endpoint
+    ids: range  # the lines published, all acknowledged
+
+
+def _tls(pki: Pki) -> list[str]:  # noqa: F811
+    return ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+            "--tls-ca", str(pki.ca)]
+
+
+@pytest.fixture(scope="module")
+def secure_app(tmp_path_factory: pytest.TempPathFactory,
+               pki: Pki) -> Iterator[SecureApp]:  # noqa: F811
+    """`streamkit run` with a worker process and its bundled broker, all on TLS and requiring
+    tokens (the worker and the broker get the settings through their environment); 400
+    lines fed by a feeder signing with the keys, and processed."""
+    tmp = tmp_path_factory.mktemp("secure-app")
+    app = copy_wordcount(tmp / "wordcount")
+    port = free_port()
+    broker = f"https://127.0.0.1:{port}"
+    run = Proc.streamkit(["run", str(app), "--port", str(port), "--workers", "2", "--no-status",
+                          "--log-level", "INFO", "--auth-keys", KEYS_TEXT, *_tls(pki)],
+                         tmp / "run.log").start()
+    security = Security(keys=KEYS, client_tls=ClientTls(ca=pki.ca))
+
+    async def fed() -> tuple[range, dict[str, str]]:
+        async with AppView(app, broker, security) as view:
+            await view.wait_serving(timeout=90)
+            feeder = Feeder(app, broker, tmp / "feeder.log", count=400, batch=40,
+                            extra=["--auth-keys", KEYS_TEXT, "--tls-ca", str(pki.ca)]).start()
+            try:
+                ids = await asyncio.to_thread(feeder.finish, 90)
+            finally:
+                feeder.proc.stop()
+            return ids, await view.wait_caught_up(timeout=60)
+
+    try:
+        ids, serving = asyncio.run(fed())
+        yield SecureApp(app, broker, pki, run, security, serving, ids)
+    except BaseException:
+        print(run.log())
+        raise
+    finally:
+        run.stop()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return cli(*args, timeout=60)
+
+
+# --- the app runs, exactly once ----------------------------------------------------------------
+
+
+async def test_counts_exact_with_tls_and_auth(secure_app: SecureApp) -> None:
+    expected = expected_counts(secure_app.ids)
+    assert len(secure_app.ids) == 400
+    assert all(e.startswith("https://") for e in secure_app.serving.values())
+    assert len(set(secure_app.serving.values())) == 2  # run's member and its worker
+    async with AppView(secure_app.app, secure_app.broker, secure_app.security) as view:
+        assert await view.query_counts(secure_app.serving) == expected
+        assert totals_of_updates(await view.output_updates()) == expected
+    assert "authorization" in secure_app.run.text()
+
+
+def test_bundled_broker_requires_tokens(secure_app: SecureApp) -> None:
+    ca = str(secure_app.pki.ca)
+    refused = _cli("journals", "list", "--broker", secure_app.broker, "--tls-ca", ca)
+    assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr, refused.stderr
+    listed = _cli("journals", "list", "--broker", secure_app.broker, "--tls-ca", ca,
+                  "--auth-keys", KEYS_TEXT)
+    assert listed.returncode == 0, listed.stderr
+
+
+# --- streamkit query and shards stat ---------------------------------------------------------
+
+
+def test_query_with_keys_answers(secure_app: SecureApp) -> None:
+    word = VOCABULARY[0]
+    done = _cli("query", str(secure_app.app), json.dumps({"word": word}),
+                "--auth-keys", KEYS_TEXT, "--tls-ca", str(secure_app.pki.ca))
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) == expected_counts(secure_app.ids)[word]
+
+
+@pytest.mark.parametrize("keys", [None, STRANGER])
+def test_query_without_the_keys_is_refused(secure_app: SecureApp, keys: str | None) -> None:
+    args = ["query", str(secure_app.app), '{"word": "w1"}', "--shard", "shard-000",
+            "--tls-ca", str(secure_app.pki.ca)]
+    done = _cli(*args, *(["--auth-keys", keys] if keys else []))
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert any("shard-000" in line and "refused" in line for line in lines), done.stderr
+
+
+def test_shards_stat_signs_its_call(secure_app: SecureApp) -> None:
+    args = ["shards", "stat", "shard-000", "--app", str(secure_app.app),
+            "--tls-ca", str(secure_app.pki.ca)]
+    done = _cli(*args, "--auth-keys", KEYS_TEXT)
+    assert done.returncode == 0, done.stderr
+    refused = _cli(*args)
+    assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr, refused.stderr
+
+
+# --- the members' Shard API ---------------------------------------------------------------------
+
+
+def _bearer(token: str) -> tuple[tuple[str, str], ...]:
+    return ((AUTHORIZATION, f"Bearer {token}"),)
+
+
+async def test_shard_api_checks_selectors(secure_app: SecureApp) -> None:
+    endpoint = secure_app.serving["shard-000"]
+    tls = ClientTls(ca=secure_app.pki.ca)
+    async with Security(client_tls=tls).open_channel(normalize_address(endpoint)) as channel:
+        stub = consumer_grpc.ShardStub(channel)
+        only_001 = _bearer(sign(KEYS, Capability.READ | Capability.LIST, "id=shard-001"))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Stat(consumer_pb.StatRequest(shard="shard-000"), metadata=only_001,
+                            timeout=10)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "shard-000" in (refused.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as unsigned:
+            await stub.List(consumer_pb.ListRequest(), timeout=10)
+        assert unsigned.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        listed = await stub.List(consumer_pb.ListRequest(selector=pb.LabelSelector()),
+                                 metadata=only_001, timeout=10)
+        assert [s.spec.id for s in listed.shards] == ["shard-001"]
+        with pytest.raises(grpc.aio.AioRpcError) as hints:
+            await stub.GetHints(consumer_pb.GetHintsRequest(shard="shard-000"),
+                                metadata=only_001, timeout=10)
+        assert hints.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        appliers = _bearer(sign(KEYS, Capability.APPLY, "id=shard-001"))
+        with pytest.raises(grpc.aio.AioRpcError) as unassign:
+            await stub.Unassign(consumer_pb.UnassignRequest(shards=["shard-000"], dry_run=True),
+                                metadata=appliers, timeout=10)
+        assert unassign.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # A shard whose primary is the other member: this one forwards the Stat, signing
+        # its own token for it.
+        elsewhere = next(s for s, e in secure_app.serving.items() if e != endpoint)
+        reader = _bearer(sign(KEYS, Capability.READ, f"id={elsewhere}"))
+        forwarded = await stub.Stat(consumer_pb.StatRequest(shard=elsewhere), metadata=reader,
+                                    timeout=10)
+        assert forwarded.status == consumer_pb.OK
+
+
+# --- the members' HTTP API ----------------------------------------------------------------------
+
+
+def _http(secure_app: SecureApp, path: str, headers: dict[str, str],
+          body: bytes | None = None) -> tuple[int, str]:
+    url = f"{http_url(secure_app.serving['shard-000'])}{path}"
+    context = ssl.create_default_context(cafile=str(secure_app.pki.ca))
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, body, headers), timeout=10,
+                                    context=context) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_member_http_api_refuses(secure_app: SecureApp) -> None:
+    lister = {"Authorization": f"Bearer {sign(KEYS, Capability.LIST)}"}
+    assert _http(secure_app, "/status", lister)[0] == 200
+    assert _http(secure_app, "/status", {})[0] == 401
+    code, text = _http(secure_app, "/status", {**lister, "Host": "attacker.example:80"})
+    assert code == 403 and "DNS rebinding" in text
+    query = json.dumps({"word": "w1"}).encode()
+    wrong = {"Authorization": f"Bearer {sign(KEYS, Capability.READ, 'id=shard-001')}"}
+    code, text = _http(secure_app, "/query/shard-000", wrong, query)
+    assert code == 403 and "shard-000" in text
+    right = {"Authorization": f"Bearer {sign(KEYS, Capability.READ, 'id=shard-000')}"}
+    assert _http(secure_app, "/query/shard-000", right, query)[0] == 200
+
+
+# --- safe defaults ------------------------------------------------------------------------------
+
+
+def test_serve_beyond_loopback_without_keys_refuses(tmp_path: Path) -> None:
+    app = copy_wordcount(tmp_path / "wordcount")
+    done = _cli("serve", str(app), "--broker", "127.0.0.1:1", "--host", "0.0.0.0")
+    assert done.returncode == 2
+    assert "without authorization" in done.stderr and "--insecure" in done.stderr
+
+
+# --- backfill ------------------------------------------------------------------------------------
+
+
+def test_backfill_plan_dials_with_the_keys(secure_app: SecureApp) -> None:
+    """The driver dials the broker with the keys (a plan needs only the driver; Spark's
+    executors rebuild the same Security from the plan, as the next test checks)."""
+    args = ["backfill", str(secure_app.app), "--plan", "--json", "--broker", secure_app.broker,
+            "--tls-ca", str(secure_app.pki.ca)]
+    done = _cli(*args, "--auth-keys", KEYS_TEXT)
+    assert done.returncode == 0, done.stderr
+    assert KEYS_TEXT not in done.stdout  # the plan printed holds no keys
+    refused = _cli(*args)
+    assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr, refused.stderr
+
+
+def test_backfill_plan_carries_security_as_plain_data(pki: Pki) -> None:  # noqa: F811
+    from streamkit.backfill.plan import BackfillPlan, security_data
+
+    given = Security(keys=parse_keys(f"{KEYS_TEXT} AA=="), client_tls=ClientTls(ca=pki.ca))
+    plan = BackfillPlan(app_dir="", config={}, broker="", keyspace="", fragment_root=None,
+                        txn_size=0, shards=[], security=security_data(given))
+    rebuilt = plan.client_security()
+    assert rebuilt.keys == given.keys and rebuilt.client_tls == given.client_tls
+    assert "security" not in json.loads(plan.to_json())
