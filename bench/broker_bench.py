@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import os
 import statistics
@@ -38,8 +37,7 @@ from google.protobuf.duration_pb2 import Duration
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine, with_broker  # noqa: E402
-from streamkit.auth import ClientTls, parse_keys  # noqa: E402
+from bench.common import bench_security, machine, with_broker  # noqa: E402
 from streamkit.auth.settings import Security  # noqa: E402
 from streamkit.client import (  # noqa: E402
     Appender,
@@ -166,24 +164,6 @@ async def warm_up(client: BrokerClient, mib: int) -> None:
     await append_mib(client, "bench/warmup", mib, os.urandom(MIB))
 
 
-_BENCH_KEYS = base64.b64encode(b"streamkit broker benchmark key!!").decode()
-
-
-def _tls_args(tmp: Path) -> list[str]:
-    """Make the run's CA and certificate in `tmp`; the broker options serving them."""
-    from tests.test_auth_tls import make_pki  # needs the test extra (cryptography)
-
-    (tmp / "pki").mkdir()
-    pki = make_pki(tmp / "pki")
-    return ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key)]
-
-
-def _security(secure: bool, tmp: Path) -> Security | None:
-    if not secure:
-        return None
-    return Security(keys=parse_keys(_BENCH_KEYS), client_tls=ClientTls(ca=tmp / "pki" / "ca.pem"))
-
-
 async def run(address: str, args: argparse.Namespace, file_root: Path,
               security: Security | None) -> dict[str, float]:
     async with BrokerClient(address, security) as client:
@@ -206,9 +186,8 @@ def main() -> None:
     args = parser.parse_args()
     results = with_broker(
         lambda broker, tmp: run(broker.address, args, broker.data_dir / "fragments",
-                                _security(args.secure, tmp)),
-        extra_args=_tls_args if args.secure else lambda _: [],
-        env={"AUTH_KEYS": _BENCH_KEYS} if args.secure else None,
+                                bench_security(tmp) if args.secure else None),
+        secure=args.secure,
     )
     results["secure"] = args.secure
     results["machine"] = machine()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import platform
@@ -13,6 +14,8 @@ from typing import Any, TypeVar
 
 from google.protobuf.duration_pb2 import Duration
 
+from streamkit.auth import ClientTls, parse_keys
+from streamkit.auth.settings import Security
 from streamkit.client import BrokerClient, apply_journals
 from streamkit.protocol import pb
 from streamkit.recoverylog import CONTENT_TYPE
@@ -42,15 +45,13 @@ def machine() -> str:
 
 
 def with_broker(
-    main: Callable[[BrokerProcess, Path], Coroutine[Any, Any, T]],
-    extra_args: Callable[[Path], list[str]] = lambda _: [],
-    env: dict[str, str] | None = None,
+    main: Callable[[BrokerProcess, Path], Coroutine[Any, Any, T]], *, secure: bool = False
 ) -> T:
     """Run `main(broker, tmp)` against a fresh broker whose data lives in temp dir `tmp`
-    (`extra_args(tmp)`: more `broker serve` options; `env`: more environment)."""
+    (with `secure`, serving TLS and requiring tokens: see `secure_files`)."""
     with tempfile.TemporaryDirectory(prefix="streamkit-bench-") as tmp:
-        broker = BrokerProcess(Path(tmp) / "broker", extra_args=extra_args(Path(tmp)),
-                               env=env or {}).start()
+        env = secure_files(Path(tmp)) if secure else {}
+        broker = BrokerProcess(Path(tmp) / "broker", env=env).start()
         try:
             return asyncio.run(main(broker, Path(tmp)))
         finally:
@@ -66,3 +67,24 @@ def report(results: dict[str, Any], as_json: bool) -> None:
     width = max(len(key) for key in results)
     for key, value in results.items():
         print(f"{key:>{width}}: {value}")
+
+
+# --- --secure: TLS and auth tokens on ---------------------------------------------------------
+
+BENCH_KEYS = base64.b64encode(b"streamkit broker benchmark key!!").decode()
+
+
+def secure_files(tmp: Path) -> dict[str, str]:
+    """Make a CA and a certificate for 127.0.0.1 in `tmp`; the environment that turns TLS
+    and tokens on for `broker serve`, `run` and `serve` (and is what they pass on)."""
+    from tests.test_auth_tls import make_pki  # the test extra's `cryptography`
+
+    (tmp / "pki").mkdir(exist_ok=True)
+    pki = make_pki(tmp / "pki")
+    return {"AUTH_KEYS": BENCH_KEYS, "STREAMKIT_TLS_CERT": str(pki.server_cert),
+            "STREAMKIT_TLS_KEY": str(pki.server_key), "STREAMKIT_TLS_CA": str(pki.ca)}
+
+
+def bench_security(tmp: Path) -> Security:
+    """The client side of `secure_files(tmp)`: the keys, and the CA to trust."""
+    return Security(keys=parse_keys(BENCH_KEYS), client_tls=ClientTls(ca=tmp / "pki" / "ca.pem"))

@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import functools
 import json
+import os
 import re
 import shutil
 import signal
@@ -34,17 +35,19 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import report, with_broker  # noqa: E402
+from bench.common import bench_security, report, with_broker  # noqa: E402
 from streamkit.app.config import load_config  # noqa: E402
 from streamkit.app.member import deploy  # noqa: E402
+from streamkit.app.member_http import http_url, open_member_url  # noqa: E402
 from streamkit.app.resolver import Resolver  # noqa: E402
+from streamkit.auth.settings import Security  # noqa: E402
+from streamkit.auth.tokens import Capability  # noqa: E402
 from streamkit.client import BrokerClient, write_head  # noqa: E402
 from streamkit.client.append_service import AppendService  # noqa: E402
 from streamkit.keyspace import open_keyspace  # noqa: E402
@@ -78,17 +81,16 @@ async def heads(client: BrokerClient, config: Any) -> dict[str, int]:
     return {j: await write_head(client, j) for j in config.topic_journals(TOPIC)}
 
 
+SECURITY = Security()  # --secure: the keys and CA of the run (members want a LIST token)
+
+
 def _get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=5) as response:
+    with open_member_url(SECURITY, url, cap=Capability.LIST, timeout=5) as response:
         return response.read()
 
 
 async def member_urls(resolver: Resolver) -> list[str]:
-    urls = []
-    for endpoint in (await resolver.members()).values():
-        host, _, port = endpoint.removeprefix("grpc://").rpartition(":")
-        urls.append(f"http://{host}:{int(port) + 1}")
-    return urls
+    return [http_url(endpoint) for endpoint in (await resolver.members()).values()]
 
 
 async def processed(resolver: Resolver) -> dict[str, int]:
@@ -235,13 +237,18 @@ def stop_run(proc: subprocess.Popen) -> None:
 
 
 def start_run(app: Path, broker: BrokerProcess, workers: int, log: Path) -> subprocess.Popen:
+    """`streamkit run` against `broker`, with its security settings (if any) as environment."""
     return subprocess.Popen(
         [sys.executable, "-m", "streamkit.cli.main", "run", str(app), "--broker",
          broker.address, "--no-status", "--workers", str(workers)],
-        stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+        stdout=open(log, "ab"), stderr=subprocess.STDOUT, env={**os.environ, **broker.env})
 
 
-async def bench(broker: BrokerProcess, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
+async def bench(broker: BrokerProcess, tmp: Path, args: argparse.Namespace,
+                secure: bool = False) -> dict[str, Any]:
+    global SECURITY
+    if secure:
+        SECURITY = bench_security(tmp)
     app = tmp / "wordcount"
     shutil.copytree(ROOT / "examples" / "wordcount", app,
                     ignore=shutil.ignore_patterns(".streamkit", "__pycache__"))
@@ -254,7 +261,7 @@ async def bench(broker: BrokerProcess, tmp: Path, args: argparse.Namespace) -> d
     all_lines = lines_file(args.lines + args.live).read_text().splitlines()
     results: dict[str, Any] = {"lines": args.lines, "store": args.store,
                                "workers": args.workers}
-    async with BrokerClient(broker.address) as client, open_keyspace(
+    async with BrokerClient(broker.address, SECURITY) as client, open_keyspace(
             str(config.data_dir / "keyspace.db")) as keyspace:
         await deploy(config, client, keyspace)
         t = time.monotonic()
@@ -312,6 +319,8 @@ def main() -> None:
     parser.add_argument("--latency", type=int, default=50,
                         help="single-line publish-to-processed samples (0: skip)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--secure", action="store_true",
+                        help="TLS and auth tokens on (broker, members, and this client)")
     args = parser.parse_args()
     if args.failover:
         lines = lines_file(args.lines).read_text().splitlines()
@@ -323,7 +332,9 @@ def main() -> None:
             args.sql_url = server.url
             results = with_broker(lambda broker, tmp: bench(broker, tmp, args))
     else:
-        results = with_broker(lambda broker, tmp: bench(broker, tmp, args))
+        results = with_broker(lambda broker, tmp: bench(broker, tmp, args, args.secure),
+                              secure=args.secure)
+    results["secure"] = args.secure
     report(results, args.json)
 
 
