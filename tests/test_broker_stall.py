@@ -47,7 +47,7 @@ def test_stalled_http_put_times_out_and_frees_the_journal(broker: BrokerProcess)
     # timeout is a liveness bound only (the broker does not wait for the client for ever).
     with socket.create_connection(("127.0.0.1", broker.port + 1), timeout=LIVENESS) as sock:
         sock.sendall(
-            f"PUT /{JOURNAL} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n".encode()
+            f"PUT /{JOURNAL} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n".encode()
             + b"only part of the body"
         )
         reply = _http_reply(sock)
