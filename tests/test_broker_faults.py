@@ -267,8 +267,8 @@ def test_a_client_vanishing_mid_put_is_rolled_back_quietly(tmp_path: Path) -> No
         wire.create(journals, wire.spec("gone/put"))
         for _ in range(3):
             with socket.create_connection(("127.0.0.1", broker.port + 1), timeout=10) as sock:
-                sock.sendall(b"PUT /gone/put HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n"
-                             b"\r\n" + b"y" * 5000)
+                sock.sendall(b"PUT /gone/put HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                             b"Content-Length: 100000\r\n\r\n" + b"y" * 5000)
         assert wire.append(journals, "gone/put", b"whole").commit.begin == 0
         assert wire.read(journals, "gone/put")[0] == b"whole"
         assert "Traceback" not in broker.log() and "ERROR" not in broker.log(), broker.log()
