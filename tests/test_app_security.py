@@ -258,3 +258,26 @@ def test_backfill_plan_carries_security_as_plain_data(pki: Pki) -> None:  # noqa
     rebuilt = plan.client_security()
     assert rebuilt.keys == given.keys and rebuilt.client_tls == given.client_tls
     assert "security" not in json.loads(plan.to_json())
+
+
+def test_spark_backfill_with_the_keys(secure_app: SecureApp) -> None:
+    """Last in this module, as it fences the running primaries: `backfill --spark` against the
+    TLS broker that requires tokens. Spark's executors read the history through the broker
+    with the plan's keys and CA, hand their state over, and the app's restarted shards answer
+    with exactly the counts they had."""
+    done = cli("backfill", str(secure_app.app), "--spark", "--master", "local[2]",
+               "--broker", secure_app.broker, "--tls-ca", str(secure_app.pki.ca),
+               "--auth-keys", KEYS_TEXT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()  # the plan's table, then the results' table
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["SHARD", "MESSAGES"])
+    rows = [line.split() for line in lines[header + 1:] if line.strip()]
+    assert len(rows) == 8 and sum(int(row[1]) for row in rows) == len(secure_app.ids), done.stdout
+    assert "handed over 8 shards" in done.stderr, done.stderr
+
+    async def counted() -> None:
+        async with AppView(secure_app.app, secure_app.broker, secure_app.security) as view:
+            serving = await view.wait_caught_up(timeout=120)
+            assert await view.query_counts(serving) == expected_counts(secure_app.ids)
+
+    asyncio.run(counted())
