@@ -71,7 +71,8 @@ def secure_app(tmp_path_factory: pytest.TempPathFactory,
     port = free_port()
     broker = f"https://127.0.0.1:{port}"
     run = Proc.streamkit(["run", str(app), "--port", str(port), "--workers", "2", "--no-status",
-                          "--log-level", "INFO", "--auth-keys", KEYS_TEXT, *_tls(pki)],
+                          "--log-level", "INFO", "--auth-keys", KEYS_TEXT, *_tls(pki),
+                          "--max-body-size", "4KiB"],
                          tmp / "run.log").start()
     security = Security(keys=KEYS, client_tls=ClientTls(ca=pki.ca))
 
@@ -199,8 +200,8 @@ async def test_shard_api_checks_selectors(secure_app: SecureApp) -> None:
 
 
 def _http(secure_app: SecureApp, path: str, headers: dict[str, str],
-          body: bytes | None = None) -> tuple[int, str]:
-    url = f"{http_url(secure_app.serving['shard-000'])}{path}"
+          body: bytes | None = None, shard: str = "shard-000") -> tuple[int, str]:
+    url = f"{http_url(secure_app.serving[shard])}{path}"
     context = ssl.create_default_context(cafile=str(secure_app.pki.ca))
     try:
         with urllib.request.urlopen(urllib.request.Request(url, body, headers), timeout=10,
@@ -222,6 +223,17 @@ def test_member_http_api_refuses(secure_app: SecureApp) -> None:
     assert code == 403 and "shard-000" in text
     right = {"Authorization": f"Bearer {sign(KEYS, Capability.READ, 'id=shard-000')}"}
     assert _http(secure_app, "/query/shard-000", right, query)[0] == 200
+
+
+def test_member_http_api_limits_bodies(secure_app: SecureApp) -> None:
+    """`run --max-body-size 4KiB` holds in its own member and in its worker process."""
+    members = {endpoint: shard for shard, endpoint in secure_app.serving.items()}
+    assert len(members) == 2
+    big = json.dumps({"word": "w" * 5000}).encode()
+    for shard in members.values():
+        reader = {"Authorization": f"Bearer {sign(KEYS, Capability.READ, f'id={shard}')}"}
+        code, text = _http(secure_app, f"/query/{shard}", reader, big, shard)
+        assert code == 413 and "limit of 4096 bytes (--max-body-size)" in text, (code, text)
 
 
 # --- safe defaults ------------------------------------------------------------------------------

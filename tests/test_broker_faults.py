@@ -12,6 +12,7 @@ import asyncio
 import os
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -319,3 +320,37 @@ def test_a_device_out_of_space_fails_appends_until_space_returns(small_disk: Pat
         assert wire.read(wire.stub(broker.address), "enospc/j")[0] == b"".join(acked)
     finally:
         broker.kill()
+
+
+def test_size_limits_refuse_large_bodies_and_messages_and_keep_serving(tmp_path: Path) -> None:
+    broker = BrokerProcess(tmp_path / "broker", extra_args=[
+        "--max-body-size", "64KiB", "--max-message-size", "128KiB"]).start()
+    try:
+        journals = wire.stub(broker.address)
+        wire.create(journals, wire.spec("big/one"))
+        code, text = put(broker, "big/one", body(0, 100 << 10))  # with a Content-Length
+        assert code == 413, (code, text)
+        assert "limit of 65536 bytes (--max-body-size)" in text and "big/one" in text, text
+        chunked = (body(1, 16 << 10) for _ in range(6))  # no Content-Length: counted as read
+        code, text = put(broker, "big/one", chunked)  # type: ignore[arg-type]
+        assert code == 413 and "rolled back" in text, (code, text)
+        assert put(broker, "big/one", body(2, 60 << 10)) == (204, "")
+        with pytest.raises(grpc.RpcError) as refused:
+            wire.append(journals, "big/one", body(3, 200 << 10))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "larger than max" in (refused.value.details() or "")
+        # An append larger than the message limit, in chunks under it, goes through.
+        assert wire.append(journals, "big/one", *[body(4, 64 << 10)] * 4).status == pb.OK
+        content, _ = wire.read(journals, "big/one")
+        assert content == body(2, 60 << 10) + body(4, 64 << 10) * 4  # nothing refused landed
+    finally:
+        broker.kill()
+
+
+def test_a_bad_size_is_one_line(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "streamkit.cli.main", "broker", "serve",
+                           "--data-dir", str(tmp_path),
+                           "--max-body-size", "lots"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert "'lots' is not a size" in done.stderr and "--max-body-size" in done.stderr

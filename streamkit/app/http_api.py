@@ -44,7 +44,7 @@ from streamkit.app.application import QueryError
 from streamkit.app.replica import Replica
 from streamkit.app.service import Service
 from streamkit.auth.scope import require_shard, shard_allowed
-from streamkit.auth.settings import Security
+from streamkit.auth.settings import Security, body_too_large
 from streamkit.auth.tokens import Capability
 from streamkit.protocol import consumer_pb
 
@@ -85,12 +85,12 @@ def _error(status: int, message: str) -> web.Response:
 
 
 class _Handlers:
-    def __init__(
-        self, service: Service, member_loop: asyncio.AbstractEventLoop, query_timeout: float
-    ) -> None:
+    def __init__(self, service: Service, member_loop: asyncio.AbstractEventLoop,
+                 query_timeout: float, max_body: int) -> None:
         self.service = service
         self.member_loop = member_loop
         self.query_timeout = query_timeout
+        self.max_body = max_body
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -111,6 +111,8 @@ class _Handlers:
             return _error(404, f"shard {shard} is not primary here (its replica is {state})")
         try:
             body = json.loads(await request.read() or b"null")
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, body_too_large(self.max_body))
         except (ValueError, UnicodeDecodeError) as err:
             return _error(400, f"the request body is not JSON: {err}")
         if not isinstance(body, dict):
@@ -170,7 +172,8 @@ class HttpApi:
         self._thread: threading.Thread | None = None
 
     async def start(self, host: str, port: int, sock: socket.socket | None) -> None:
-        handlers = _Handlers(self.service, asyncio.get_running_loop(), self.query_timeout)
+        handlers = _Handlers(self.service, asyncio.get_running_loop(), self.query_timeout,
+                             self.security.max_body)
         started: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(
             target=self._serve, args=(handlers, host, port, sock, started),
@@ -232,7 +235,7 @@ async def _start_site(
     handlers: _Handlers, host: str, port: int, sock: socket.socket | None, security: Security
 ) -> web.AppRunner:
     guard = security.http_middleware(_capability_for, host)
-    app = web.Application(client_max_size=16 << 20, middlewares=[guard])
+    app = web.Application(client_max_size=security.max_body, middlewares=[guard])
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/status", handlers.status)
     app.router.add_post("/query/{shard:.+}", handlers.query)

@@ -32,11 +32,10 @@ from streamkit.protocol import consumer_pb2_grpc as consumer_grpc
 if TYPE_CHECKING:
     from streamkit.app.member import Member
 
-__all__ = ["MAX_MESSAGE", "MemberAPIs", "serve_member_apis"]
+__all__ = ["MemberAPIs", "serve_member_apis"]
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE = 64 << 20
 _ATTEMPTS = 50  # port pairs tried with port 0 before giving up
 _BACKLOG = 128
 
@@ -94,11 +93,7 @@ def _listen(host: str, port: int) -> socket.socket:
 def _grpc_server(security: Security) -> grpc.aio.Server:
     return grpc.aio.server(
         interceptors=security.interceptors(SHARD_CAPABILITIES) or None,
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE),
-            ("grpc.max_send_message_length", MAX_MESSAGE),
-            ("grpc.so_reuseport", 0),  # else a second server could bind the same port
-        ]
+        options=security.grpc_server_options(),
     )
 
 

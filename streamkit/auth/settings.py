@@ -30,8 +30,11 @@ from streamkit.errors import StreamkitError
 if TYPE_CHECKING:
     from streamkit.auth.http_auth import CapabilityFor
 
-__all__ = ["ANY_HOST", "Exposed", "Security", "is_loopback", "is_wildcard"]
+__all__ = ["ANY_HOST", "DEFAULT_MAX_BODY", "DEFAULT_MAX_MESSAGE", "Exposed", "Security",
+           "body_too_large", "is_loopback", "is_wildcard"]
 
+DEFAULT_MAX_MESSAGE = 64 << 20  # a gRPC message a server accepts (an append's chunk, a spec...)
+DEFAULT_MAX_BODY = 64 << 20  # an HTTP request's body (a gateway PUT, a member query)
 ANY_HOST = "*"  # as an allowed host: answer any Host header (behind a proxy that checks it)
 _WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -78,6 +81,8 @@ class Security:
     client_tls: ClientTls | None = None  # for https:// addresses; None: the system's roots
     allowed_hosts: tuple[str, ...] = ()  # Host names beyond the server's own; "*": any
     insecure: bool = False  # serving beyond loopback without authorization was asked for
+    max_message: int = DEFAULT_MAX_MESSAGE  # bytes of one gRPC message a server receives
+    max_body: int = DEFAULT_MAX_BODY  # bytes of one HTTP request body a server reads
 
     def describe(self) -> str:
         """For a server's startup log line, e.g. "TLS, authorization (2 keys)"."""
@@ -89,6 +94,13 @@ class Security:
             rollout = ", token-less requests allowed" if self.keys.allow_missing else ""
             parts.append(f"authorization ({len(self.keys.verifying)} keys{rollout})")
         return ", ".join(parts) or "no TLS, no authorization"
+
+    def grpc_server_options(self) -> list[tuple[str, Any]]:
+        """Message limits for a grpc.aio server: a larger message is refused with
+        RESOURCE_EXHAUSTED, whose details give both sizes."""
+        return [("grpc.max_receive_message_length", self.max_message),
+                ("grpc.max_send_message_length", max(self.max_message, DEFAULT_MAX_MESSAGE)),
+                ("grpc.so_reuseport", 0)]  # else a second server could bind the same port
 
     def validate(self) -> None:
         """Read every certificate, key and CA file now, so that a bad one is reported
@@ -173,3 +185,9 @@ class Security:
     def http_ssl_context(self) -> ssl.SSLContext | None:
         """For an aiohttp server's TCPSite; None for plaintext."""
         return self.server_tls.ssl_context() if self.server_tls is not None else None
+
+
+def body_too_large(limit: int) -> str:
+    """The one-line reason an HTTP server gives (with status 413) for a body over `limit`."""
+    return (f"the request body is larger than the server's limit of {limit} bytes "
+            "(--max-body-size)")

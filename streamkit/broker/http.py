@@ -25,7 +25,7 @@ from aiohttp import ClientPayloadError, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from streamkit.auth.scope import journal_allowed
-from streamkit.auth.settings import Security
+from streamkit.auth.settings import Security, body_too_large
 from streamkit.auth.tokens import Capability
 from streamkit.broker.appends import append, refusal
 from streamkit.broker.faults import JournalFault
@@ -111,7 +111,7 @@ class HttpGateway:
 
     async def start(self, host: str, port: int) -> None:
         guard = self.security.http_middleware(_capability_for, host)
-        app = web.Application(client_max_size=1 << 30, middlewares=[guard])
+        app = web.Application(client_max_size=self.security.max_body, middlewares=[guard])
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/{journal:.+}", self.read)  # also serves HEAD
         app.router.add_put("/{journal:.+}", self.append)
@@ -186,8 +186,11 @@ class HttpGateway:
                 return _status_error(status, journal)
             result = await append(
                 replica, pb.AppendRequest(journal=journal),
-                _body(request, self.service.pace(), journal), self.service.header(),
+                _body(request, self.service.pace(), journal, self.security.max_body),
+                self.service.header(),
             )
+        except BodyTooLarge as error:
+            return _error(413, f"{error}; the append to {journal} was rolled back")
         except JournalFault as fault:
             return _error(fault.http_status, str(fault))
         except TimeoutError as err:
@@ -210,9 +213,18 @@ class HttpGateway:
         )
 
 
-async def _body(request: web.Request, pace: AppendPace, journal: str) -> AsyncIterator[bytes]:
+class BodyTooLarge(Exception):
+    """A PUT body passed the server's --max-body-size."""
+
+
+async def _body(request: web.Request, pace: AppendPace, journal: str,
+                limit: int) -> AsyncIterator[bytes]:
     """The request body in chunks, within the appender's pace (streamkit.broker.pace): a
-    slow client must not hold the journal for as long as it likes."""
+    slow client must not hold the journal for as long as it likes. A body over `limit`
+    fails the append (BodyTooLarge), before a byte of it commits."""
+    if (request.content_length or 0) > limit:
+        raise BodyTooLarge(body_too_large(limit))
+    read = 0
     while True:
         try:
             async with asyncio.timeout(pace.next_timeout()):  # the read only, never the yield
@@ -221,6 +233,9 @@ async def _body(request: web.Request, pace: AppendPace, journal: str) -> AsyncIt
             raise pace.timed_out(journal) from None
         if not chunk:
             return
+        read += len(chunk)
+        if read > limit:
+            raise BodyTooLarge(body_too_large(limit))
         pace.got(len(chunk))
         yield chunk
 

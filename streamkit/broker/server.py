@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8080
 TICK = 1.0  # seconds between flush-interval and store-refresh checks
-MAX_MESSAGE = 64 << 20
 
 
 @dataclass
@@ -104,11 +103,7 @@ class Broker:
                                       cfg.min_append_rate)
         self.server = grpc.aio.server(
             interceptors=cfg.security.interceptors(JOURNAL_CAPABILITIES) or None,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE),
-                ("grpc.max_send_message_length", MAX_MESSAGE),
-                ("grpc.so_reuseport", 0),
-            ]
+            options=cfg.security.grpc_server_options(),
         )
         pb_grpc.add_JournalServicer_to_server(self.service, self.server)
         try:

@@ -20,7 +20,7 @@ import click
 from click.core import ParameterSource
 
 from streamkit.auth.keys import ALLOW_MISSING_KEY, AUTH_KEYS_ENV, AuthKeysError, parse_keys
-from streamkit.auth.settings import Security
+from streamkit.auth.settings import DEFAULT_MAX_BODY, DEFAULT_MAX_MESSAGE, Security
 from streamkit.auth.tls import ClientTls, ServerTls, TlsError
 from streamkit.cli.errors import DATA_ERROR, CliError, reporting_errors
 
@@ -31,7 +31,27 @@ Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 _FILE = click.Path(dir_okay=False, path_type=Path)
 _NAMES = ("auth_keys", "tls_cert", "tls_key", "tls_ca", "tls_client_cert", "tls_client_key",
-          "tls_require_client_cert", "allowed_hosts", "insecure")
+          "tls_require_client_cert", "allowed_hosts", "insecure", "max_message_size",
+          "max_body_size")
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
+          "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+class ByteSize(click.ParamType):
+    """A size in bytes: 1048576, 512KiB, 64MiB, 1G (units are powers of 1024)."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+                ) -> int:
+        if isinstance(value, int):
+            return value
+        found = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", str(value))
+        unit = found.group(2).lower() if found else ""
+        if found is None or unit not in _UNITS or int(found.group(1)) == 0:
+            self.fail(f"{value!r} is not a size: give bytes, or a number with KiB, MiB or GiB",
+                      param, ctx)
+        return int(found.group(1)) * _UNITS[unit]
 
 
 def _auth_keys() -> Decorator:
@@ -73,6 +93,13 @@ def _serving() -> list[Decorator]:
                           "that checks Host)."),
         click.option("--insecure", is_flag=True, envvar="STREAMKIT_INSECURE", show_envvar=True,
                      help="Allow listening beyond loopback without authorization."),
+        click.option("--max-message-size", type=ByteSize(), default=DEFAULT_MAX_MESSAGE,
+                     envvar="STREAMKIT_MAX_MESSAGE_SIZE", show_envvar=True,
+                     show_default="64MiB", help="Refuse larger gRPC messages "
+                     "(RESOURCE_EXHAUSTED); appends stream in chunks, each under it."),
+        click.option("--max-body-size", type=ByteSize(), default=DEFAULT_MAX_BODY,
+                     envvar="STREAMKIT_MAX_BODY_SIZE", show_envvar=True, show_default="64MiB",
+                     help="Refuse larger HTTP request bodies (413): a gateway PUT, a query."),
     ]
 
 
@@ -87,7 +114,8 @@ def _dialing() -> list[Decorator]:
 
 SECURITY_ENV = (AUTH_KEYS_ENV, "STREAMKIT_TLS_CERT", "STREAMKIT_TLS_KEY", "STREAMKIT_TLS_CA",
                 "STREAMKIT_TLS_REQUIRE_CLIENT_CERT", "STREAMKIT_ALLOWED_HOSTS",
-                "STREAMKIT_INSECURE", "STREAMKIT_TLS_CLIENT_CERT", "STREAMKIT_TLS_CLIENT_KEY")
+                "STREAMKIT_INSECURE", "STREAMKIT_TLS_CLIENT_CERT", "STREAMKIT_TLS_CLIENT_KEY",
+                "STREAMKIT_MAX_MESSAGE_SIZE", "STREAMKIT_MAX_BODY_SIZE")
 
 
 def security_env(security: Security, environ: dict[str, str]) -> dict[str, str]:
@@ -113,6 +141,10 @@ def security_env(security: Security, environ: dict[str, str]) -> dict[str, str]:
         env["STREAMKIT_ALLOWED_HOSTS"] = ",".join(security.allowed_hosts)
     if security.insecure:
         env["STREAMKIT_INSECURE"] = "1"
+    if security.max_message != DEFAULT_MAX_MESSAGE:
+        env["STREAMKIT_MAX_MESSAGE_SIZE"] = str(security.max_message)
+    if security.max_body != DEFAULT_MAX_BODY:
+        env["STREAMKIT_MAX_BODY_SIZE"] = str(security.max_body)
     return env
 
 
@@ -151,7 +183,9 @@ def build_security(values: dict[str, Any]) -> Security:
             client_tls = ClientTls(ca=ca, cert=client_cert, key=client_key)
         security = Security(keys=keys, server_tls=server_tls, client_tls=client_tls,
                             allowed_hosts=_hosts(values.get("allowed_hosts")),
-                            insecure=bool(values.get("insecure")))
+                            insecure=bool(values.get("insecure")),
+                            max_message=values.get("max_message_size") or DEFAULT_MAX_MESSAGE,
+                            max_body=values.get("max_body_size") or DEFAULT_MAX_BODY)
         security.validate()
     except (AuthKeysError, TlsError) as err:
         raise CliError(str(err), DATA_ERROR) from None
