@@ -39,10 +39,27 @@ def test_put_then_get(shared_broker, journal) -> None:
     assert status == 206
     assert body == b"first line\nsecond\n"
     assert headers["X-Write-Head"] == "18"
-    assert headers["Content-Range"].startswith("bytes 0-")
+    assert headers["Content-Range"] == "bytes 0-9223372036854775807/9223372036854775807"
     assert headers["X-Fragment-Name"].startswith("0000000000000000-")
     status, headers, body = _http("HEAD", url + "?offset=11")
     assert status == 206 and body == b"" and headers["X-Write-Head"] == "18"
+
+
+def test_get_streams_across_fragments_to_the_write_head(shared_broker) -> None:
+    """Without ?block, a GET reads every fragment through the write head (each append below
+    rolls a fragment of its own), as Gazette's gateway does; from the middle, too."""
+    name = "http/fragmented"
+    wire.create(wire.stub(shared_broker.address), wire.spec(name, length=1024))
+    url = f"{shared_broker.http_url}/{name}"
+    lines = [f"{i:03d} ".encode() + b"x" * 1200 + b"\n" for i in range(6)]
+    for line in lines:
+        assert _http("PUT", url, line)[0] == 204
+    status, headers, body = _http("GET", url + "?offset=0")
+    assert status == 206 and body == b"".join(lines)
+    begin, end, _sum = headers["X-Fragment-Name"].split("-")  # the first fragment's name
+    assert int(begin, 16) == 0 and int(end, 16) == len(lines[0])
+    middle = len(lines[0]) * 3 + 7
+    assert _http("GET", f"{url}?offset={middle}")[2] == b"".join(lines)[middle:]
 
 
 def test_errors_map_to_http_statuses(shared_broker, journal) -> None:

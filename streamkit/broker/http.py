@@ -168,7 +168,7 @@ class HttpGateway:
         if request.method == "HEAD":
             return response
         try:
-            async for message in _contents(responses, first.fragment.end, block):
+            async for message in _contents(responses):
                 await response.write(message)
         except JournalFault as fault:  # the status was sent: cut the body short, say why
             log.warning("GET %s ended early: %s", journal, fault)
@@ -240,14 +240,17 @@ async def _body(request: web.Request, pace: AppendPace, journal: str,
         yield chunk
 
 
-async def _contents(
-    responses: AsyncIterator[pb.ReadResponse], first_end: int, block: bool
-) -> AsyncIterator[bytes]:
-    """Content bytes of a read; without `block`, only through the first fragment."""
+_OPEN_END = (1 << 63) - 1
+
+
+async def _contents(responses: AsyncIterator[pb.ReadResponse]) -> AsyncIterator[bytes]:
+    """Content bytes of a read, across fragments: a non-blocking read ends at the write
+    head (OFFSET_NOT_YET_AVAILABLE), a blocking one when the client leaves, as Gazette's
+    gateway streams."""
     async for message in responses:
         if message.content:
             yield message.content
-        elif message.status != pb.OK or (not block and message.offset >= first_end):
+        elif message.status != pb.OK:
             return
 
 
@@ -256,7 +259,8 @@ def _read_headers(first: pb.ReadResponse) -> dict[str, str]:
     headers = {
         "X-Write-Head": str(first.write_head),
         "X-Fragment-Name": content_name(fragment),
-        "Content-Range": f"bytes {first.offset}-{max(fragment.end - 1, first.offset)}/*",
+        # Open-ended, as Gazette's gateway says it: the body runs on past this fragment.
+        "Content-Range": f"bytes {first.offset}-{_OPEN_END}/{_OPEN_END}",
         "Content-Type": "application/octet-stream",
     }
     if fragment.backing_store:
