@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import queue
 import random
 import signal
@@ -139,6 +140,18 @@ def test_apply_dry_run_create_round_trip_and_stale(shared_broker: BrokerProcess,
     out = ok(shared_broker, "apply", "--specs", "-", input=deletion)
     assert f"deleted {p}raw (was revision " in out
     assert f"{p}raw" not in ok(shared_broker, "list", "-l", f"prefix={p}")
+
+
+def test_broker_address_from_gazctls_variable(shared_broker: BrokerProcess) -> None:
+    """Without --broker: $STREAMKIT_BROKER, else gazctl's $BROKER_ADDRESS (any address form)."""
+    name = prefix() + "env"
+    wire.create(wire.stub(shared_broker.address), wire.spec(name))
+    env = {k: v for k, v in os.environ.items() if k not in ("STREAMKIT_BROKER", "BROKER_ADDRESS")}
+    for extra in ({"BROKER_ADDRESS": f"http://{shared_broker.address}"},
+                  {"STREAMKIT_BROKER": shared_broker.address, "BROKER_ADDRESS": "127.0.0.1:1"}):
+        listed = subprocess.run([*CLI, "list", "-l", f"name={name}"], env={**env, **extra},
+                                capture_output=True, text=True, timeout=30)
+        assert listed.returncode == 0 and name in listed.stdout, listed.stderr
 
 
 def test_list_formats_and_selectors(shared_broker: BrokerProcess, tmp_path: Path) -> None:

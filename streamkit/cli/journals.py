@@ -28,7 +28,7 @@ from streamkit.cli.journal_io import read_journals as copy_journals
 from streamkit.cli.output import FORMATS, echo_json, echo_table, format_labels, format_size
 from streamkit.cli.security_options import security_options
 from streamkit.client import BrokerClient, list_journals
-from streamkit.client.broker_client import DEFAULT_ADDRESS
+from streamkit.client.broker_client import BROKER_ENV, DEFAULT_ADDRESS
 from streamkit.protocol import pb
 from streamkit.protocol.durations import parse_duration
 from streamkit.protocol.labels import label_set, parse_selector
@@ -47,7 +47,7 @@ DEFAULT_FILE_ROOT = Path(".streamkit/broker/fragments")
 
 def broker_option(fn: F) -> F:
     return click.option(
-        "--broker", envvar="STREAMKIT_BROKER", default=DEFAULT_ADDRESS, show_default=True,
+        "--broker", envvar=list(BROKER_ENV), default=DEFAULT_ADDRESS, show_default=True,
         show_envvar=True, metavar="URL",
         help="Broker address: host:port or http://host:port (plaintext), https://host:port "
              "(TLS).",

@@ -50,6 +50,7 @@ from streamkit.cli.errors import DATA_ERROR, CliError, async_command
 from streamkit.cli.logs import configure_logging
 from streamkit.cli.security_options import security_env, security_options
 from streamkit.client import BrokerClient, TransportError
+from streamkit.client.broker_client import BROKER_ENV
 from streamkit.keyspace import open_keyspace
 from streamkit.keyspace.keyspace import KeySpace
 from streamkit.tasks import cancel_and_wait
@@ -329,7 +330,7 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
 
 @click.command("serve")
 @click.argument("app_dir", default=".", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--broker", required=True, metavar="HOST:PORT", envvar="STREAMKIT_BROKER",
+@click.option("--broker", required=True, metavar="HOST:PORT", envvar=list(BROKER_ENV),
               help="The broker the app's journals live on (https://HOST:PORT for TLS).")
 @click.option("--keyspace", default=None,
               help="KeySpace (default: APP_DIR/.streamkit/keyspace.db).")

@@ -28,9 +28,11 @@ from streamkit.auth.tokens import Capability
 from streamkit.client.closing import AsyncClosing
 from streamkit.protocol import pb, pb_grpc
 
-__all__ = ["DEFAULT_ADDRESS", "MAX_MESSAGE", "BrokerClient", "normalize_address"]
+__all__ = ["BROKER_ENV", "DEFAULT_ADDRESS", "MAX_MESSAGE", "BrokerClient", "normalize_address"]
 
 DEFAULT_ADDRESS = "127.0.0.1:8080"
+# Where a broker address is taken from when none is given: ours, then gazctl's.
+BROKER_ENV = ("STREAMKIT_BROKER", "BROKER_ADDRESS")
 MAX_MESSAGE = 64 << 20
 _ROUTE_CACHE_SIZE = 1024
 _BAD_ENDPOINT_TTL = 60.0  # don't route to an endpoint for this long after it failed
@@ -76,15 +78,15 @@ class BrokerClient(AsyncClosing):
     """Channels and Journal stubs to brokers, routed per journal where known.
 
     Use as `async with BrokerClient("host:port") as client:`; the address
-    defaults to $STREAMKIT_BROKER, else 127.0.0.1:8080. `security` gives the
-    keys to sign tokens with and the TLS settings for `https://` addresses;
-    None is plaintext without tokens (an `https://` address then trusts the
-    system's CAs).
+    defaults to $STREAMKIT_BROKER, else gazctl's $BROKER_ADDRESS, else
+    127.0.0.1:8080. `security` gives the keys to sign tokens with and the TLS
+    settings for `https://` addresses; None is plaintext without tokens (an
+    `https://` address then trusts the system's CAs).
     """
 
     def __init__(self, address: str | None = None, security: Security | None = None) -> None:
         self.address = normalize_address(
-            address or os.environ.get("STREAMKIT_BROKER") or DEFAULT_ADDRESS
+            address or next(filter(None, map(os.environ.get, BROKER_ENV)), DEFAULT_ADDRESS)
         )
         parse_address(self.address)  # a malformed address is an AddressError now, not later
         self.security = security or _NO_SECURITY
