@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -289,10 +290,11 @@ def test_stat_errors_without_a_running_primary(app: AppConfig) -> None:
                                       "nonsense").stderr
 
 
-async def _cli(*args: str) -> tuple[int, str, str]:
+async def _cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "streamkit.cli.main", "shards", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **(env or {})})
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert b"Traceback" not in err, err.decode()
     assert proc.returncode is not None
@@ -333,3 +335,41 @@ async def test_stat_asks_the_running_primary(shared_broker: Any, tmp_path: Path)
             code, out, err = await _cli("stat", "shard-000", *where, "--read-through",
                                         f"{journal}={end + 10**6}", "--timeout", "0.5")
             assert code == 1 and "did not read through the given offsets within 0.5s" in err
+
+
+async def test_consumer_address_reaches_shards_through_a_member(shared_broker: Any,
+                                                                tmp_path: Path) -> None:
+    """--consumer (or gazctl's $CONSUMER_ADDRESS): every command through one member's Shard
+    API, without the app's folder or KeySpace, as gazctl works."""
+    folder = tmp_path / "app"
+    folder.mkdir()
+    (folder / "streamkit.yaml").write_text(yaml.safe_dump(app_document(app_name(), 2)))
+    config = load_config(folder)
+    config.data_dir.mkdir()
+    path = config.data_dir / "keyspace.db"
+    elsewhere = ["--app", str(tmp_path / "no-app-here")]  # nothing is found through it
+    async with BrokerClient(shared_broker.address) as client:
+        async with open_keyspace(str(path)) as keyspace:
+            await deploy(config, client, keyspace)
+        async with running_member(config, client, path, "worker-0", allocate=True) as running:
+            await eventually(lambda: all_primary(running.member, 2), TIMEOUT)
+            member = f"http://127.0.0.1:{running.port}"
+            code, out, err = await _cli("list", *elsewhere, "--consumer", member, "-o", "json")
+            assert code == 0, err
+            assert [(s["id"], s["status"]) for s in json.loads(out)] == [
+                ("shard-000", "PRIMARY"), ("shard-001", "PRIMARY")]
+            env = {"CONSUMER_ADDRESS": member}
+            code, out, err = await _cli("stat", "shard-001", *elsewhere, "-o", "json", env=env)
+            assert code == 0, err
+            assert json.loads(out)["member"] == "local#worker-0"
+            code, out, err = await _cli("hints", "shard-000", *elsewhere, env=env)
+            assert code == 0 and json.loads(out)["shard"] == "shard-000", err
+            code, out, err = await _cli("unassign", "shard-000", "--dry-run", *elsewhere,
+                                        env=env)
+            assert code == 0 and out.split() == ["shard-000"], err
+            code, _, err = await _cli("unassign", "shard-404", *elsewhere, env=env)
+            assert code == 1 and "shard not found (SHARD_NOT_FOUND): shard-404" in err, err
+            code, _, err = await _cli("stat", "bad id!", *elsewhere, env=env)
+            assert code == 2 and "INVALID_ARGUMENT" in err, err
+    code, _, err = await _cli("list", *elsewhere, "--consumer", f"127.0.0.1:{free_port()}")
+    assert code == 1 and "UNAVAILABLE" in err and "member 127.0.0.1:" in err, err

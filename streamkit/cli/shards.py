@@ -5,7 +5,9 @@ current one: the root comes from streamkit.yaml and the KeySpace is the one
 `streamkit run` keeps in the app's data folder), or from --keyspace and
 --root. list, apply, unassign and hints work on the KeySpace directly, with
 the same functions the members' Shard API serves; stat asks the shard's
-primary member over gRPC, as it alone knows how far the shard got.
+primary member over gRPC, as it alone knows how far the shard got. With
+--consumer (gazctl's $CONSUMER_ADDRESS) they all call one member's Shard API
+instead (see `streamkit.cli.shard_access`).
 """
 
 from __future__ import annotations
@@ -23,21 +25,19 @@ import grpc
 from google.protobuf import json_format
 
 from streamkit.app.config import CONFIG_FILE, load_config
-from streamkit.app.shard_ops import (
-    BadRequest,
-    CorruptHints,
-    apply_shards,
-    get_hints,
-    list_shards,
-    read_state,
-    unassign_shards,
-)
-from streamkit.app.stat_client import StatClient, find_primary
+from streamkit.app.shard_ops import BadRequest, CorruptHints
 from streamkit.auth.settings import Security
 from streamkit.cli.errors import DATA_ERROR, FAILURE, CliError, async_command, warn
 from streamkit.cli.inputs import read_text_input
 from streamkit.cli.output import echo_json, echo_table, format_labels, plural
 from streamkit.cli.security_options import security_options
+from streamkit.cli.shard_access import (
+    CONSUMER_ENV,
+    KeySpaceShards,
+    MemberShards,
+    ShardAccess,
+    Unreachable,
+)
 from streamkit.keyspace import open_keyspace
 from streamkit.keyspace.keyspace import KeySpace, KeySpaceError
 from streamkit.protocol import consumer_pb
@@ -127,6 +127,43 @@ async def opened(app_dir: Path, keyspace_url: str | None,
         await keyspace.close()
 
 
+def reach_options(fn: F) -> F:
+    """The app options, --consumer, and the security options to dial members with."""
+    fn = security_options(dials=True)(fn)
+    fn = click.option("--consumer", metavar="URL", default=None, envvar=CONSUMER_ENV,
+                      show_envvar=True,
+                      help="Call this member's Shard API (host:port, http:// or https://) "
+                           "instead of using the KeySpace, as gazctl does.")(fn)
+    return app_options(fn)
+
+
+_RPC_EXIT = {grpc.StatusCode.INVALID_ARGUMENT: DATA_ERROR}
+
+
+@contextlib.asynccontextmanager
+async def reached(app_dir: Path, keyspace_url: str | None, root: str | None,
+                  consumer: str | None, security: Security) -> AsyncIterator[ShardAccess]:
+    """The app's shards, through the KeySpace or through the member at `consumer`; what the
+    member answers with an RPC error becomes a CLI error naming it."""
+    if not consumer:
+        async with opened(app_dir, keyspace_url, root) as (keyspace, app_root):
+            access = KeySpaceShards(keyspace, app_root, security)
+            try:
+                yield access
+            finally:
+                await access.close()
+        return
+    member = MemberShards(consumer, security)
+    try:
+        yield member
+    except grpc.aio.AioRpcError as err:
+        details = " ".join((err.details() or "").split())
+        raise CliError(f"member {member.address}: {err.code().name}: {details}",
+                       _RPC_EXIT.get(err.code(), FAILURE)) from None
+    finally:
+        await member.close()
+
+
 def _member_name(route_member: Any) -> str:
     return f"{route_member.zone}#{route_member.suffix}"
 
@@ -196,14 +233,14 @@ def _shard_row(shard: Listed) -> list[object]:
 @click.option("-o", "--output", "--format", "output", type=click.Choice(["table", "json", "yaml"]),
               default="table", show_default=True,
               help="yaml is the spec-file form (with revisions) that `apply` takes back.")
-@app_options
+@reach_options
 @async_command()
 async def list_cmd(selector: str, output: str, app_dir: Path, keyspace_url: str | None,
-                   root: str | None) -> None:
+                   root: str | None, consumer: str | None, security: Security) -> None:
     """List shards: their status, primary member, standbys and labels."""
     parsed = parse_selector(selector)
-    async with opened(app_dir, keyspace_url, root) as (keyspace, app_root):
-        listed = list((await list_shards(keyspace, app_root, parsed)).shards)
+    async with reached(app_dir, keyspace_url, root, consumer, security) as access:
+        listed = list((await access.list(parsed)).shards)
     if output == "yaml":
         entries = [ShardEntry(ShardSpecModel.from_proto(s.spec), s.mod_revision) for s in listed]
         click.echo(dump_shard_specs(entries), nl=False)
@@ -301,17 +338,17 @@ def _read_file(path: str) -> list[ShardEntry]:
     return load_shard_entries(text, source)
 
 
-async def _current(keyspace: KeySpace, root: str) -> dict[str, Listed]:
-    return {s.spec.id: s for s in (await list_shards(keyspace, root)).shards}
+async def _current(access: ShardAccess) -> dict[str, Listed]:
+    return {s.spec.id: s for s in (await access.list()).shards}
 
 
 @shards.command("apply")
 @click.argument("specs_path", metavar="SPECS.yaml")
 @click.option("--dry-run", is_flag=True, help="Show what would change; change nothing.")
-@app_options
+@reach_options
 @async_command()
 async def apply_cmd(specs_path: str, dry_run: bool, app_dir: Path, keyspace_url: str | None,
-                    root: str | None) -> None:
+                    root: str | None, consumer: str | None, security: Security) -> None:
     """Create, update or delete shards to match SPECS.yaml ("-" for stdin).
 
     A shard's `revision` is the mod revision the file was edited from (as
@@ -325,17 +362,17 @@ async def apply_cmd(specs_path: str, dry_run: bool, app_dir: Path, keyspace_url:
     if not entries:
         click.echo("no shards in the file")
         return
-    async with opened(app_dir, keyspace_url, root) as (keyspace, app_root):
-        actions = plan(entries, await _current(keyspace, app_root))
+    async with reached(app_dir, keyspace_url, root, consumer, security) as access:
+        actions = plan(entries, await _current(access))
         changes = [a.change for a in actions if a.change is not None]
         after = None
         if changes and not dry_run:
-            response = await apply_shards(keyspace, app_root, changes)
+            response = await access.apply(changes)
             if response.status == consumer_pb.ETCD_TRANSACTION_FAILED:
-                plan(entries, await _current(keyspace, app_root))  # names the shards that moved
+                plan(entries, await _current(access))  # names the shards that moved
                 raise CliError(f"shards changed while applying (ETCD_TRANSACTION_FAILED); "
                                f"{_RELIST_HINT}")
-            after = await _current(keyspace, app_root)
+            after = await _current(access)
     for action in actions:
         verb = _VERBS[action.verb][0 if dry_run else 1]
         revision = action.current_revision
@@ -381,34 +418,28 @@ def _stat_error(shard: str, status: int) -> CliError:
     return CliError(f"{reasons.get(status, f'shard {shard}: Stat failed')} ({name})")
 
 
-async def _stat(keyspace: KeySpace, root: str, shard: str, read_through: dict[str, int],
-                timeout: float, security: Security) -> tuple[consumer_pb.StatResponse, str, str]:
+async def _stat(access: ShardAccess, shard: str, read_through: dict[str, int],
+                timeout: float) -> tuple[consumer_pb.StatResponse, str, str]:
     """Stat from the shard's primary member: (response, member, endpoint)."""
-    state = await read_state(keyspace, root)
-    if shard not in state.items:
-        raise _stat_error(shard, consumer_pb.SHARD_NOT_FOUND)
-    primary = find_primary(state, shard)
-    if primary is None:
-        raise _stat_error(shard, consumer_pb.NO_SHARD_PRIMARY)
-    name = str(primary.member)
     request = consumer_pb.StatRequest(shard=shard, read_through=read_through)
-    async with StatClient(security) as stats:
-        try:
-            response = await stats.stat(primary.endpoint, request, timeout=timeout)
-        except grpc.aio.AioRpcError as err:
-            details = " ".join((err.details() or "").split())
-            if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise CliError(f"shard {shard} did not read through the given offsets within "
-                               f"{timeout:g}s") from None
-            if err.code() == grpc.StatusCode.UNAVAILABLE:
-                raise CliError(f"cannot reach shard {shard}'s primary {name} at "
-                               f"{primary.endpoint}: {details}") from None
-            code = DATA_ERROR if err.code() == grpc.StatusCode.INVALID_ARGUMENT else FAILURE
-            raise CliError(f"Stat of {shard} failed ({err.code().name}): {details}",
-                           code) from None
+    try:
+        response, member, endpoint = await access.stat(request, timeout)
+    except Unreachable as unreachable:
+        err = unreachable.__cause__
+        if not isinstance(err, grpc.aio.AioRpcError):
+            raise _stat_error(shard, unreachable.status) from None
+        details = " ".join((err.details() or "").split())
+        if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise CliError(f"shard {shard} did not read through the given offsets within "
+                           f"{timeout:g}s") from None
+        if err.code() == grpc.StatusCode.UNAVAILABLE:
+            raise CliError(f"cannot reach shard {shard}'s primary {unreachable.where}: "
+                           f"{details}") from None
+        raise CliError(f"Stat of {shard} failed ({err.code().name}): {details}",
+                       _RPC_EXIT.get(err.code(), FAILURE)) from None
     if response.status != consumer_pb.OK:
         raise _stat_error(shard, response.status)
-    return response, name, primary.endpoint
+    return response, member, endpoint
 
 
 def _ago(when: float | None) -> str:
@@ -425,20 +456,18 @@ def _ago(when: float | None) -> str:
               show_default=True, help="Seconds to wait for the primary's answer.")
 @click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
-@app_options
-@security_options(dials=True)
+@reach_options
 @async_command()
 async def stat_cmd(shard: str, read_through: tuple[tuple[str, int], ...], timeout: float,
                    output: str, app_dir: Path, keyspace_url: str | None,
-                   root: str | None, security: Security) -> None:
+                   root: str | None, consumer: str | None, security: Security) -> None:
     """How far SHARD got: offsets read through per source and written through per output.
 
     With --read-through, answers only once the shard committed a transaction
     past those offsets (read-your-writes after publishing).
     """
-    async with opened(app_dir, keyspace_url, root) as (keyspace, app_root):
-        response, member, endpoint = await _stat(keyspace, app_root, shard, dict(read_through),
-                                                 timeout, security)
+    async with reached(app_dir, keyspace_url, root, consumer, security) as access:
+        response, member, endpoint = await _stat(access, shard, dict(read_through), timeout)
     try:
         extension = json.loads(response.extension) if response.extension else {}
     except ValueError:
@@ -467,21 +496,20 @@ async def stat_cmd(shard: str, read_through: tuple[tuple[str, int], ...], timeou
 @click.option("--only-failed", is_flag=True,
               help="Only remove FAILED assignments; leave healthy primaries in place.")
 @click.option("--dry-run", is_flag=True, help="Show what would be unassigned; change nothing.")
-@app_options
+@reach_options
 @async_command()
 async def unassign_cmd(shard_ids: tuple[str, ...], only_failed: bool, dry_run: bool,
-                       app_dir: Path, keyspace_url: str | None, root: str | None) -> None:
+                       app_dir: Path, keyspace_url: str | None, root: str | None,
+                       consumer: str | None, security: Security) -> None:
     """Remove shards' assignments so they are assigned afresh (restarting a FAILED shard).
 
     FAILED assignments are always removed, the primary too unless --only-failed.
     """
-    async with opened(app_dir, keyspace_url, root) as (keyspace, app_root):
-        response = await unassign_shards(keyspace, app_root, shard_ids, only_failed=only_failed,
-                                         dry_run=dry_run)
+    async with reached(app_dir, keyspace_url, root, consumer, security) as access:
+        response = await access.unassign(shard_ids, only_failed=only_failed, dry_run=dry_run)
         if response.status == consumer_pb.SHARD_NOT_FOUND:
-            state = await read_state(keyspace, app_root)
-            missing = [s for s in shard_ids if s not in state.items
-                       and not state.assignments_of(s)]
+            known = await _current(access)
+            missing = [s for s in shard_ids if s not in known] or list(shard_ids)
             raise CliError(f"shard not found (SHARD_NOT_FOUND): {', '.join(missing)}")
     if response.status == consumer_pb.ETCD_TRANSACTION_FAILED:
         raise CliError("assignments changed while unassigning (ETCD_TRANSACTION_FAILED); "
@@ -505,13 +533,13 @@ def _hints_json(found: consumer_pb.GetHintsResponse.ResponseHints) -> Any:
 
 @shards.command("hints")
 @click.argument("shard")
-@app_options
+@reach_options
 @async_command()
 async def hints_cmd(shard: str, app_dir: Path, keyspace_url: str | None,
-                    root: str | None) -> None:
+                    root: str | None, consumer: str | None, security: Security) -> None:
     """Print SHARD's recovery-log hints as JSON: the primary's, then the backups, newest first."""
-    async with opened(app_dir, keyspace_url, root) as (keyspace, app_root):
-        response = await get_hints(keyspace, app_root, shard)
+    async with reached(app_dir, keyspace_url, root, consumer, security) as access:
+        response = await access.hints(shard)
     if response.status == consumer_pb.SHARD_NOT_FOUND:
         raise CliError(f"shard {shard} not found (SHARD_NOT_FOUND)")
     echo_json({"shard": shard, "primary": _hints_json(response.primary_hints),
