@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from streamkit.message.uuid import (
     Clock,
     Flags,
+    UuidText,
     build_uuid,
     clock_at,
     clock_unix_ns,
@@ -69,3 +70,17 @@ def test_round_trip(producer: bytes, clock: int, flags: int) -> None:
     built = build_uuid(producer, clock, flags)
     assert parse_uuid(built) == (producer, clock, flags)
     assert built.version == 1 and built.variant == uuid.RFC_4122
+
+
+@given(st.binary(min_size=6, max_size=6),
+       st.lists(st.tuples(st.integers(0, (1 << 64) - 1), st.integers(0, 0x3FF)),
+                min_size=1, max_size=20))
+def test_uuid_text_is_the_uuids_text(producer: bytes, clocks: list[tuple[int, int]]) -> None:
+    """The publisher's fast formatting equals str(UUID) for any clock, flags and producer,
+    also as the cached time_mid/time_hi text changes from one clock to the next."""
+    text = UuidText(producer)
+    for clock, flags in clocks:
+        assert text(clock, flags) == str(build_uuid(producer, clock, flags))
+    text = UuidText(PRODUCER)
+    assert text(Clock(0).update(1567304621 * 10**9 + 981273734) + 2, 682) == \
+        "83fc2f81-cc5f-11e9-8aaa-e71e350dbf79"

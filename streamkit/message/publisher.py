@@ -27,9 +27,15 @@ from dataclasses import dataclass
 from streamkit.client.append_service import AppendService, OpFuture
 from streamkit.message.framing import Framing, framing_for
 from streamkit.message.mapping import MappingFunc
-from streamkit.message.message import MessageLike, new_acknowledgement, set_uuid, uses_uuid
+from streamkit.message.message import (
+    UUID_FIELD,
+    MessageLike,
+    new_acknowledgement,
+    set_uuid,
+    uses_uuid,
+)
 from streamkit.message.message import validate as validate_message
-from streamkit.message.uuid import Clock, Flags, build_uuid, new_producer_id
+from streamkit.message.uuid import Clock, Flags, UuidText, build_uuid, new_producer_id
 
 __all__ = ["AckIntent", "Publisher"]
 
@@ -62,7 +68,7 @@ class Publisher:
     """
 
     __slots__ = ("_buffer", "_framings", "_next_update", "_owns_clock", "_pending",
-                 "clock", "producer", "service")
+                 "_uuid_text", "clock", "producer", "service")
 
     def __init__(
         self, service: AppendService, clock: Clock | None = None, producer: bytes | None = None
@@ -71,8 +77,7 @@ class Publisher:
         self._owns_clock = clock is None
         self.clock = Clock() if clock is None else clock
         self.producer = new_producer_id() if producer is None else producer
-        if len(self.producer) != 6:
-            raise ValueError(f"a ProducerID is 6 bytes (got {len(self.producer)})")
+        self._uuid_text = UuidText(self.producer)  # checks that it is 6 bytes
         self._next_update = 0  # monotonic ns after which an owned clock reads wall time again
         self._framings: dict[str, Framing] = {}
         self._pending: dict[str, _Pending] = {}
@@ -135,7 +140,10 @@ class Publisher:
             if now >= self._next_update:
                 self._next_update = now + _UPDATE_EVERY_NS
                 self.clock.update()
-        set_uuid(message, build_uuid(self.producer, self.clock.tick(), flags))
+        if type(message) is dict:  # the common case, without a uuid.UUID object
+            message[UUID_FIELD] = self._uuid_text(self.clock.tick(), flags)
+        else:
+            set_uuid(message, build_uuid(self.producer, self.clock.tick(), flags))
         buffer = self._buffer
         del buffer[:]  # also drops what a failed encode left behind
         framing.encode(message, buffer)
