@@ -198,7 +198,7 @@ async def failover(broker: BrokerProcess, tmp: Path, lines: list[str], rounds: i
         await view.state()
         await deploy(view.config, view.client, view.keyspace)
         await publish_lines(view.client, view.config, lines, 0)
-        for name in ("a", "b"):
+        for name in ("mem-a", "mem-b"):
             members[name] = serve_app(app, broker.address, name, tmp / f"serve-{name}.log")
         try:
             for round_ in range(rounds):
@@ -210,7 +210,7 @@ async def failover(broker: BrokerProcess, tmp: Path, lines: list[str], rounds: i
                 for shard in view.config.shard_ids():
                     by_member.setdefault(state.primary_of(shard).suffix, []).append(shard)
                 victim = max(by_member, key=lambda m: len(by_member[m]))
-                survivor = "b" if victim == "a" else "a"
+                survivor = "mem-b" if victim == "mem-a" else "mem-a"
                 killed = time.monotonic()
                 members[victim].kill()
                 moved = by_member[victim]

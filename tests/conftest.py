@@ -15,6 +15,10 @@ from tests.brokerproc import BrokerProcess
 from tests.postgres import postgres_url  # noqa: F401
 from tests.s3server import aws_env, s3_endpoint, s3_url  # noqa: F401 (shared fixtures)
 
+# Every response a streamkit client channel receives is checked against Gazette's protocol
+# rules (streamkit.protocol.conformance), here and in the processes the tests start.
+os.environ.setdefault("STREAMKIT_CHECK_RESPONSES", "1")
+
 # --- randomness that can be replayed --------------------------------------------------------
 
 SEED_ENV = "STREAMKIT_TEST_SEED"

@@ -95,7 +95,7 @@ def app(tmp_path: Path) -> AppConfig:
 
 def seed_assignments(config: AppConfig) -> None:
     async def action(keyspace: Any, root: str) -> None:
-        m1 = MemberId("local", "w1")
+        m1 = MemberId("local", "wrk1")
         await add_member(keyspace, root, m1, "grpc://127.0.0.1:7001")
         await assign(keyspace, root, "shard-000", m1, 0, Code.PRIMARY)
         await assign(keyspace, root, "shard-001", m1, 0, Code.FAILED, "shard broke")
@@ -115,14 +115,14 @@ def test_list_table_json_yaml_and_selectors(app: AppConfig) -> None:
     seed_assignments(app)
     result = shards("list", *where)
     rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
-    assert "PRIMARY" in rows["shard-000"] and "local#w1 (grpc://127.0.0.1:7001)" in \
+    assert "PRIMARY" in rows["shard-000"] and "local#wrk1 (grpc://127.0.0.1:7001)" in \
         rows["shard-000"]
     assert "FAILED" in rows["shard-001"]
-    assert "shard-001 at local#w1: FAILED: shard broke" in result.stderr
+    assert "shard-001 at local#wrk1: FAILED: shard broke" in result.stderr
 
     listed = json.loads(ok("list", *where, "-l", "id=shard-001", "-o", "json"))
     assert [s["id"] for s in listed] == ["shard-001"]
-    assert listed[0]["route"] == [{"member": "local#w1", "endpoint": "grpc://127.0.0.1:7001",
+    assert listed[0]["route"] == [{"member": "local#wrk1", "endpoint": "grpc://127.0.0.1:7001",
                                    "primary": True, "status": "FAILED",
                                    "errors": ["shard broke"]}]
     assert listed[0]["spec"]["sources"][0]["journal"] == f"{app.name}/lines/part-001"
@@ -238,7 +238,7 @@ def test_unassign_failed_shard(app: AppConfig) -> None:
     assert "would unassign 1 shard" in result.stderr
     assert keyspace_do(app, assigned) == before
     assert ok("unassign", "shard-000", "shard-001", "--only-failed", *where) == "shard-001\n"
-    assert keyspace_do(app, assigned) == ["shard-000#local#w1#0"]
+    assert keyspace_do(app, assigned) == ["shard-000#local#wrk1#0"]
     again = shards("unassign", "shard-001", "--only-failed", *where)
     assert again.stdout == "" and "nothing to unassign" in again.stderr
     assert "SHARD_NOT_FOUND): shard-999" in fails("unassign", "shard-000", "shard-999", *where,
@@ -312,7 +312,7 @@ async def test_stat_asks_the_running_primary(shared_broker: Any, tmp_path: Path)
     async with BrokerClient(shared_broker.address) as client:
         async with open_keyspace(str(path)) as keyspace:
             await deploy(config, client, keyspace)
-        async with running_member(config, client, path, "w0", allocate=True) as running:
+        async with running_member(config, client, path, "wrk0", allocate=True) as running:
             await eventually(lambda: all_primary(running.member, 1), TIMEOUT)
             ends = await publish_lines(client, config, ["one two", "two three"])
             (journal, end), = ends.items()
@@ -320,7 +320,7 @@ async def test_stat_asks_the_running_primary(shared_broker: Any, tmp_path: Path)
                                         f"{journal}={end}", "-o", "json")
             assert code == 0, err
             answer = json.loads(out)
-            assert answer["shard"] == "shard-000" and answer["member"] == "local#w0"
+            assert answer["shard"] == "shard-000" and answer["member"] == "local#wrk0"
             assert answer["endpoint"] == f"grpc://127.0.0.1:{running.port}"
             assert answer["read_through"][journal] >= end
             assert answer["status"] == "PRIMARY" and answer["transactions"] >= 1
@@ -330,7 +330,7 @@ async def test_stat_asks_the_running_primary(shared_broker: Any, tmp_path: Path)
             assert out.splitlines()[0].split() == ["JOURNAL", "OFFSET"]
             assert f"read       {journal}" in out
             assert f"published  {config.name}/counts/part-000" in out
-            assert "shard-000: PRIMARY at local#w0" in err and "last commit" in err
+            assert "shard-000: PRIMARY at local#wrk0" in err and "last commit" in err
 
             code, out, err = await _cli("stat", "shard-000", *where, "--read-through",
                                         f"{journal}={end + 10**6}", "--timeout", "0.5")

@@ -96,7 +96,7 @@ async def test_hot_standby_takes_over(broker_proc: BrokerProcess, tmp_path: Path
         async with AppView(app, address) as view:
             await view.state()  # opens (creates) the KeySpace
             await deploy(view.config, view.client, view.keyspace)
-            for name in ("a", "b"):
+            for name in ("mem-a", "mem-b"):
                 members[name] = serve_app(app, address, name, tmp_path / f"serve-{name}.log")
             await eventually(view.standing_by, 60, "a PRIMARY and a STANDBY per shard")
             first = Feeder(app, address, tmp_path / "feed-1.log", count=1000, interval=0).start()
@@ -110,7 +110,7 @@ async def test_hot_standby_takes_over(broker_proc: BrokerProcess, tmp_path: Path
                 assert primary is not None
                 by_member.setdefault(primary.suffix, []).append(shard)
             victim = max(by_member, key=lambda m: len(by_member[m]))
-            survivor = "b" if victim == "a" else "a"
+            survivor = "mem-b" if victim == "mem-a" else "mem-a"
             moved = by_member[victim]
             killed_at = time.monotonic()
             members[victim].kill()

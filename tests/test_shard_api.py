@@ -238,7 +238,7 @@ async def test_list_selects_by_labels_and_id_with_routes(tmp_path: Path) -> None
         response = await stub.Apply(consumer_pb.ApplyRequest(
             changes=[upsert(s, 0) for s in specs]))
         assert response.status == consumer_pb.OK
-        m1, m2 = MemberId("z1", "m1"), MemberId("z2", "m2")
+        m1, m2 = MemberId("z1", "mem1"), MemberId("z2", "mem2")
         await add_member(keyspace, root, m1, "grpc://127.0.0.1:7001")
         await add_member(keyspace, root, m2, "grpc://127.0.0.1:7002")
         await assign(keyspace, root, "shard-a", m2, 0, Code.PRIMARY)
@@ -260,10 +260,11 @@ async def test_list_selects_by_labels_and_id_with_routes(tmp_path: Path) -> None
         listed = await stub.List(consumer_pb.ListRequest())
         a, b, c = listed.shards
         assert a.spec == specs[0] and a.mod_revision == a.create_revision > 0
-        assert [(m.zone, m.suffix) for m in a.route.members] == [("z2", "m2"), ("z1", "m1")]
-        assert a.route.primary == 0
-        assert list(a.route.endpoints) == ["grpc://127.0.0.1:7002", "grpc://127.0.0.1:7001"]
-        assert [s.code for s in a.status] == [Code.PRIMARY, Code.STANDBY]
+        # Members in (zone, suffix) order, as Gazette's routes; `primary` indexes slot 0.
+        assert [(m.zone, m.suffix) for m in a.route.members] == [("z1", "mem1"), ("z2", "mem2")]
+        assert a.route.primary == 1
+        assert list(a.route.endpoints) == ["grpc://127.0.0.1:7001", "grpc://127.0.0.1:7002"]
+        assert [s.code for s in a.status] == [Code.STANDBY, Code.PRIMARY]
         assert b.route.primary == -1 and [s.code for s in b.status] == [Code.BACKFILL]
         assert not c.route.members and c.route.primary == -1 and not c.status
         assert listed.header.etcd.revision == await keyspace.revision()
@@ -375,7 +376,7 @@ async def test_unassign_failed_and_healthy_primaries(tmp_path: Path) -> None:
     async with keyspace_api(tmp_path) as (keyspace, root, stub):
         await stub.Apply(consumer_pb.ApplyRequest(changes=[
             upsert(shard_spec(s), 0) for s in ("shard-a", "shard-b", "shard-c")]))
-        m1, m2 = MemberId("z", "m1"), MemberId("z", "m2")
+        m1, m2 = MemberId("z", "mem1"), MemberId("z", "mem2")
         await assign(keyspace, root, "shard-a", m1, 0, Code.FAILED, "boom")
         await assign(keyspace, root, "shard-a", m2, 1, Code.STANDBY)
         await assign(keyspace, root, "shard-b", m2, 0, Code.PRIMARY)
@@ -398,11 +399,11 @@ async def test_unassign_failed_and_healthy_primaries(tmp_path: Path) -> None:
 
         done = await unassign("shard-a", "shard-b", "shard-c", only_failed=True)
         assert list(done.shards) == ["shard-a", "shard-b"]
-        assert await assigned() == ["shard-a#z#m2#1", "shard-b#z#m2#0", "shard-c#z#m2#0"]
+        assert await assigned() == ["shard-a#z#mem2#1", "shard-b#z#mem2#0", "shard-c#z#mem2#0"]
 
         healthy = await unassign("shard-c")  # a healthy primary goes without only_failed
         assert list(healthy.shards) == ["shard-c"]
-        assert "shard-c#z#m2#0" not in await assigned()
+        assert "shard-c#z#mem2#0" not in await assigned()
         nothing = await unassign("shard-b", only_failed=True)
         assert nothing.status == consumer_pb.OK and not nothing.shards
 
@@ -495,9 +496,9 @@ async def test_stat_is_proxied_to_the_primary_member(shared_broker: Any, tmp_pat
     async with BrokerClient(shared_broker.address) as client:
         keyspace = open_keyspace(str(path))
         await deploy(config, client, keyspace)
-        async with running_member(config, client, path, "m1", allocate=True) as one, \
-                running_member(config, client, path, "m2", allocate=True) as two:
-            members = {"m1": one, "m2": two}
+        async with running_member(config, client, path, "mem1", allocate=True) as one, \
+                running_member(config, client, path, "mem2", allocate=True) as two:
+            members = {"mem1": one, "mem2": two}
 
             async def settled() -> bool:
                 mine = [r for m in members.values() for r in m.member.service.replicas.values()]
@@ -506,7 +507,7 @@ async def test_stat_is_proxied_to_the_primary_member(shared_broker: Any, tmp_pat
 
             await eventually(settled, TIMEOUT)
             ends = await publish_lines(client, config, [f"w{i}" for i in range(20)])
-            for owner, other in (("m1", two), ("m2", one)):
+            for owner, other in (("mem1", two), ("mem2", one)):
                 (shard_id,) = members[owner].member.service.replicas
                 replica = members[owner].member.service.replicas[shard_id]
                 journal = replica.shard.sources[0]

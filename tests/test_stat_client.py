@@ -26,7 +26,7 @@ from tests.test_shard_api import add_member, app_name, assign, shard_spec, shard
 
 Code = consumer_pb.ReplicaStatus.Code
 TIMEOUT = 10.0
-A, B = MemberId("z", "a"), MemberId("z", "b")
+A, B = MemberId("z", "mem-a"), MemberId("z", "mem-b")
 
 
 @contextlib.asynccontextmanager
@@ -73,9 +73,9 @@ async def test_find_primary_and_forwarded(app: tuple[KeySpace, str]) -> None:
     marked = forwarded(request, state, B)
     assert not request.HasField("header"), "the caller's request is left as it was"
     assert marked.read_through == {"j": 5} and marked.HasField("header")
-    assert marked.header.process_id.suffix == "b"
+    assert marked.header.process_id.suffix == "mem-b"
     assert marked.header.etcd.revision == state.revision
-    assert [m.suffix for m in marked.header.route.members] == ["b", "a"]
+    assert [m.suffix for m in marked.header.route.members] == ["mem-a", "mem-b"]
 
 
 async def test_one_channel_per_member_and_dead_ones_dropped(app: tuple[KeySpace, str]) -> None:
@@ -83,7 +83,8 @@ async def test_one_channel_per_member_and_dead_ones_dropped(app: tuple[KeySpace,
     request = consumer_pb.StatRequest(shard="shard-1")
     async with StatClient() as stats:
         async with shard_api(keyspace, root, A) as endpoint, shard_api(keyspace, root, B) as other:
-            for target, suffix in ((endpoint, "a"), (other, "b"), (endpoint, "a"), (other, "b")):
+            for target, suffix in ((endpoint, "mem-a"), (other, "mem-b"), (endpoint, "mem-a"),
+                                   (other, "mem-b")):
                 answer = await stats.stat(target, request, timeout=TIMEOUT)
                 assert answer.status == consumer_pb.NO_SHARD_PRIMARY
                 assert answer.header.process_id.suffix == suffix
@@ -107,11 +108,11 @@ async def test_a_member_forwards_stat_to_the_primary_once(app: tuple[KeySpace, s
                 answer = await stub.Stat(request, timeout=TIMEOUT)
                 # B answered (as primary without a replica), and didn't send it back to A.
                 assert answer.status == consumer_pb.NOT_SHARD_PRIMARY
-                assert answer.header.process_id.suffix == "b"
+                assert answer.header.process_id.suffix == "mem-b"
             state = await read_state(keyspace, root)
             again = await stub.Stat(forwarded(request, state, B), timeout=TIMEOUT)
             assert again.status == consumer_pb.NOT_SHARD_PRIMARY  # A doesn't forward it on
-            assert again.header.process_id.suffix == "a"
+            assert again.header.process_id.suffix == "mem-a"
     # B stays announced as the primary, but its server is gone.
     async with (
         shard_api(keyspace, root, A) as endpoint,

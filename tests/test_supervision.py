@@ -118,7 +118,7 @@ async def test_an_expired_lease_is_not_a_failure(tmp_path: Path) -> None:
     """A keepalive the KeySpace answers "expired" (say, the process was paused past its lease)
     announces the member again under a new lease; nothing is given up on."""
     failures: list[LoopFailure] = []
-    me = MemberId("zone", "a")
+    me = MemberId("zone", "mem-a")
     async with SQLiteKeySpace(tmp_path / "ks.db") as keyspace:
         allocator = Allocator(keyspace, "/t", me, lease_ttl=0.5, on_failure=failures.append)
         await allocator.start()
@@ -194,7 +194,7 @@ async def test_restartable_loop_is_restarted_and_the_member_keeps_working(
         spec = await keyspace.get(new)
         assert spec is not None
         await keyspace.delete(new)  # created again below, while the loop is broken
-        async with running(config, client, path, "a") as a:
+        async with running(config, client, path, "mem-a") as a:
             await eventually(serves(a, ["shard-000"]), TIMEOUT)
             allocator = a.allocator
             assert allocator is not None
@@ -212,7 +212,7 @@ async def test_restartable_loop_is_restarted_and_the_member_keeps_working(
             assert record.exc_info is not None and record.exc_info[1] is crash
             assert a.failure is None
             assert await member_keys(keyspace, config) == [
-                f"{config.keyspace_root}/members/local#a"
+                f"{config.keyspace_root}/members/local#mem-a"
             ]
         await keyspace.close()
 
@@ -240,14 +240,15 @@ async def test_fatal_loop_stops_the_member_and_another_takes_over(
     async with BrokerClient(shared_broker.address) as client:
         keyspace = open_keyspace(str(path))
         await deploy(config, client, keyspace)
-        async with running(config, client, path, "a") as a, running(config, client, path, "b") as b:
+        async with running(config, client, path, "mem-a") as a, \
+                running(config, client, path, "mem-b") as b:
             assert a.allocator is not None and a.allocator.is_leader
 
             def a_primary_of_some() -> bool:
                 state = a.allocator.state  # type: ignore[union-attr]
                 primaries = [state.primary_of(s) for s in shards]
                 return all(p is not None and p.code == Code.PRIMARY for p in primaries) and any(
-                    p.suffix == "a" for p in primaries if p is not None
+                    p.suffix == "mem-a" for p in primaries if p is not None
                 )
 
             await eventually(a_primary_of_some, TIMEOUT)
@@ -317,7 +318,7 @@ async def test_cli_member_that_cannot_keep_its_lease_exits_1(
             await view.state()  # creates the KeySpace
             assert view.client is not None and view.keyspace is not None
             await deploy(view.config, view.client, view.keyspace)
-            proc = serve_app(app, address, "a", log)
+            proc = serve_app(app, address, "mem-a", log)
         else:
             proc = run_app(app, address, log)
         try:

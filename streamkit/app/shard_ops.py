@@ -65,7 +65,9 @@ def response_header(
 ) -> pb.Header:
     """The header of an answer (or of a forwarded request) at KeySpace `revision`."""
     header = pb.Header(
-        etcd=pb.Header.Etcd(cluster_id=1, member_id=1, revision=revision, raft_term=1)
+        route=pb.Route(primary=-1),  # unrouted unless `route` is given
+        # Etcd revisions start at 1; an empty KeySpace (revision 0) reads as its first.
+        etcd=pb.Header.Etcd(cluster_id=1, member_id=1, revision=max(revision, 1), raft_term=1),
     )
     if process is not None:
         header.process_id.zone, header.process_id.suffix = process.zone, process.suffix
@@ -81,16 +83,18 @@ def endpoint_of(state: AllocState, member: MemberId) -> str:
 
 
 def shard_route(state: AllocState, shard: str) -> tuple[pb.Route, list[consumer_pb.ReplicaStatus]]:
-    """The shard's assigned members in slot order (primary first, when there is one),
-    their endpoints, and the status each reported."""
+    """The shard's assigned members ordered by (zone, suffix), as Gazette's routes are,
+    with `primary` the index of the slot-0 one (-1 without), their endpoints, and the
+    status each reported."""
     route = pb.Route(primary=-1)
     statuses = []
-    for assignment in state.assignments_of(shard):
+    members = sorted(state.assignments_of(shard), key=lambda a: (a.zone, a.suffix))
+    for index, assignment in enumerate(members):
         route.members.add(zone=assignment.zone, suffix=assignment.suffix)
         route.endpoints.append(endpoint_of(state, assignment.member))
         statuses.append(assignment.status)
-    if state.primary_of(shard) is not None:
-        route.primary = 0
+        if assignment.slot == 0:
+            route.primary = index
     return route, statuses
 
 

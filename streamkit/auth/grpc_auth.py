@@ -37,6 +37,7 @@ from streamkit.auth.tokens import (
     Unauthenticated,
     verify_bearer,
 )
+from streamkit.protocol.response_checks import response_checkers
 
 __all__ = [
     "AUTHORIZATION",
@@ -239,7 +240,7 @@ def open_channel(
     """A channel to `address`: TLS for `https://`, plaintext otherwise; with `tokens`,
     every call carries a token."""
     where = parse_address(address)
-    chain = list(interceptors)
+    chain = list(interceptors) + response_checkers()  # empty unless STREAMKIT_CHECK_RESPONSES
     if where.tls:
         credentials = (tls or ClientTls()).grpc_credentials()
         if tokens is not None:

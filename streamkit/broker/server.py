@@ -46,6 +46,13 @@ DEFAULT_PORT = 8080
 TICK = 1.0  # seconds between flush-interval and store-refresh checks
 
 
+def default_suffix() -> str:
+    """This host's name, which names the broker in headers and routes. Gazette wants 4 to
+    128 characters: a shorter name (a host called "vm") gets "-broker" appended."""
+    host = socket.gethostname()
+    return host if len(host) >= 4 else f"{host}-broker"
+
+
 @dataclass
 class BrokerConfig:
     data_dir: Path
@@ -55,7 +62,7 @@ class BrokerConfig:
     file_root: Path | None = None
     keyspace: str | None = None
     zone: str = "local"
-    suffix: str = field(default_factory=socket.gethostname)
+    suffix: str = field(default_factory=default_suffix)
     shutdown_grace: float = 5.0
     append_timeout: float = APPEND_CHUNK_TIMEOUT
     min_append_rate: float = DEFAULT_MIN_APPEND_RATE

@@ -76,7 +76,9 @@ class Identity:
         return pb.Header(
             process_id=member,
             route=self.route(),
-            etcd=pb.Header.Etcd(cluster_id=1, member_id=1, revision=revision, raft_term=1),
+            # Etcd revisions start at 1; an empty KeySpace (revision 0) reads as its first.
+            etcd=pb.Header.Etcd(cluster_id=1, member_id=1, revision=max(revision, 1),
+                                raft_term=1),
         )
 
     def route(self) -> pb.Route:

@@ -179,19 +179,25 @@ def shards() -> None:
 # --- list -------------------------------------------------------------------------------
 
 
+def _has_primary(route: Any) -> bool:
+    return 0 <= route.primary < len(route.members)
+
+
 def _status_of(shard: Listed) -> str:
     if not shard.route.members:
         return "DISABLED" if shard.spec.disable else "UNASSIGNED"
-    if shard.route.primary != 0:
+    if not _has_primary(shard.route):
         return "NO PRIMARY"
-    return Code.Name(shard.status[0].code)
+    primary = shard.route.primary
+    return Code.Name(shard.status[primary].code) if primary < len(shard.status) else "IDLE"
 
 
 def _primary_of(shard: Listed) -> str:
-    if shard.route.primary != 0:
+    route = shard.route
+    if not _has_primary(route):
         return "-"
-    name = _member_name(shard.route.members[0])
-    endpoint = shard.route.endpoints[0] if shard.route.endpoints else ""
+    name = _member_name(route.members[route.primary])
+    endpoint = route.endpoints[route.primary] if route.primary < len(route.endpoints) else ""
     return f"{name} ({endpoint})" if endpoint else name
 
 
@@ -222,7 +228,7 @@ def _shard_json(shard: Listed) -> dict[str, Any]:
 
 
 def _shard_row(shard: Listed) -> list[object]:
-    standbys = len(shard.route.members) - (1 if shard.route.primary == 0 else 0)
+    standbys = len(shard.route.members) - _has_primary(shard.route)
     return [shard.spec.id, _status_of(shard), _primary_of(shard), standbys,
             shard.mod_revision, format_labels(shard.spec.labels) or "-"]
 
