@@ -40,6 +40,7 @@ __all__ = ["SparkProgress", "check_java", "run_on_spark", "spark_context", "stop
 JOB_GROUP = "streamkit-backfill"
 _JAVA_VERSIONS = (17, 21)
 _ERROR_RE = re.compile(r"BackfillError: (.+)")
+_MISSING_RE = re.compile(r"ModuleNotFoundError: No module named '([^']+)'")
 
 
 @dataclass(frozen=True)
@@ -206,9 +207,10 @@ def _executor_task(plan: BackfillPlan, shipped: str | None) -> Callable[[int], d
     def task(index: int) -> dict[str, Any]:
         from streamkit.backfill.task import run_shard_task
 
-        app_dir = plan.app_dir
-        if shipped and not Path(app_dir, "streamkit.yaml").is_file():
-            app_dir = _unpacked(shipped)
+        # The shipped copy wins even where the driver's path exists too: a folder at that
+        # path on a worker machine (the app deployed at the same place everywhere, a shared
+        # mount) may hold another version of the app, which would backfill silently.
+        app_dir = _unpacked(shipped) if shipped else plan.app_dir
         return run_shard_task(plan, index, app_dir)
 
     return task
@@ -253,7 +255,20 @@ def _report_progress(sc: SparkContext, shards: int, started: float,
 def _backfill_error(error: BaseException) -> BackfillError | None:
     """Our error as raised in an executor, found in Spark's report of the failed job."""
     match = _ERROR_RE.search(str(error))
-    return BackfillError(match.group(1).strip()) if match else None
+    if match:
+        return BackfillError(match.group(1).strip())
+    # A task that could not even be unpickled: the executors' Python lacks streamkit. On a
+    # cluster that is the workers' `python3` unless PYSPARK_PYTHON names another; without
+    # this, the user gets Spark's whole Java stack trace with the cause buried in it.
+    missing = _MISSING_RE.search(str(error))
+    if missing:
+        return BackfillError(
+            f"Spark's executors could not import {missing.group(1)!r} "
+            "(ModuleNotFoundError): install streamkit (and the app's dependencies) for the "
+            "Python they run, and name that Python with PYSPARK_PYTHON (default: python3 on "
+            "the worker machines)"
+        )
+    return None
 
 
 def run_on_spark(

@@ -29,7 +29,8 @@ from streamkit.app.config import AppConfig
 from streamkit.app.layout import Layout, read_layout
 from streamkit.app.member import deploy
 from streamkit.app.store_kinds import STORE_KINDS
-from streamkit.auth.settings import Security
+from streamkit.auth.settings import Security, is_loopback
+from streamkit.auth.tls import parse_address
 from streamkit.cli.children import Child, port_in_use
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command, warn
 from streamkit.cli.logs import configure_logging
@@ -198,6 +199,7 @@ async def backfill(app_dir: Path, use_spark: bool, plan_only: bool, as_json: boo
             layout = await read_layout(ks, config.keyspace_root)
             resharding = _resharding(config, layout, shards)
             if use_spark and not plan_only:  # started while the plan is made
+                _warn_local_only(master, address, keyspace_url)
                 spark = asyncio.ensure_future(asyncio.to_thread(_start_spark, master, conf))
             resharded: Layout | None = None
             retired: list[str] = []
@@ -288,6 +290,24 @@ def _echo_resharded(config: AppConfig, layout: Layout, retired: list[str]) -> No
     click.echo(f"next: set `shards: {n}` in streamkit.yaml (or pass --shards {n}), start the "
                f"app, then restart its publishers so they route over the {n} partitions",
                err=True)
+
+
+def _warn_local_only(master: str, broker: str, keyspace_url: str) -> None:
+    """Warn when a cluster's executors are to dial a loopback broker or open a KeySpace file.
+
+    Executors dial the broker and open the KeySpace themselves (to read and hand over).
+    On other machines, `127.0.0.1:PORT` (the bundled broker's) is not our broker and a file
+    path is not our KeySpace: their tasks fail or wait on a connection, late and far from
+    the cause. Only warned: a standalone cluster on this very machine does reach them.
+    """
+    if master.startswith("local"):
+        return
+    if is_loopback(parse_address(broker).host):  # a host name may resolve everywhere
+        warn(f"Spark's executors dial the broker at {broker}: on other machines than this "
+             "one, pass --broker with an address they reach")
+    if "://" not in keyspace_url:
+        warn(f"Spark's executors open the KeySpace {keyspace_url}, a file of this machine: "
+             "on other machines, use a shared one (--keyspace etcd://HOST:PORT/PREFIX)")
 
 
 def _absolute(keyspace_url: str) -> str:
