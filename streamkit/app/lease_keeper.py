@@ -9,7 +9,8 @@ thread with an event loop and a KeySpace client of its own (`KeySpace.reopen`),
 and the watchdog is what names a hook that runs too long.
 
 The keeper only reports: the allocator's loop looks at `answered_at` and
-`expired_lease` to announce the member again or give it up (`LeaseLost`).
+`expired_lease` to announce the member again, to stop serving its shards while
+the lease is in doubt, or to give it up (`LeaseLost`).
 When the process is paused as a whole (SIGSTOP, a VM pause), nothing runs and
 the lease lapses, as it should.
 """
@@ -28,8 +29,14 @@ __all__ = ["LeaseKeeper"]
 log = logging.getLogger(__name__)
 
 
+# Keepalives per TTL. The allocator doubts a lease that went unanswered for 3/4 of its TTL
+# (see `streamkit.app.allocator`), so a keepalive every TTL/6 leaves over half the TTL for
+# one to be answered on a busy machine before anything is stopped.
+KEEPALIVES_PER_TTL = 6
+
+
 class LeaseKeeper:
-    """Sends a keepalive for `lease` every TTL/3 from a daemon thread.
+    """Sends a keepalive for `lease` every TTL/6 from a daemon thread.
 
     `answered_at` (time.monotonic) is when the last keepalive the KeySpace
     answered was sent; `expired_lease` is a lease the KeySpace said is gone
@@ -62,7 +69,7 @@ class LeaseKeeper:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop sending keepalives and wait (bounded) for the thread, which notices within
-        TTL/3."""
+        TTL/6."""
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None:
@@ -81,7 +88,7 @@ class LeaseKeeper:
         keyspace = self._keyspace.reopen()
         try:
             while not self._stop.is_set():
-                await asyncio.sleep(self.ttl / 3)
+                await asyncio.sleep(self.ttl / KEEPALIVES_PER_TTL)
                 if self._stop.is_set():
                     break
                 lease = self.lease

@@ -9,6 +9,12 @@ every shard as primary.
 `deploy` writes what the app's config implies — journals and shard specs —
 and is idempotent, so every `streamkit run` may call it.
 
+While its lease is in doubt (keepalives unanswered for most of its TTL: the
+KeySpace is out of reach, or slow), a member serves no shards: it abandons
+its replicas at once, before the lease can lapse and the others take the
+shards over, and takes its assignments up again once a keepalive is answered
+(see `streamkit.app.allocator`).
+
 A member is crash-only about its own loops. The assignment follower (which
 keeps the Service in line with the KeySpace and reports statuses) is never
 restarted: a crash means the member's view of what it runs can't be trusted.
@@ -156,6 +162,7 @@ class Member:
                 spec,
                 lease_ttl=self.options.lease_ttl,
                 on_failure=self._fail,
+                on_doubt=self._stop_serving,
             )
             await self.allocator.start()
             self._task = supervised(
@@ -172,6 +179,18 @@ class Member:
                 if not spec.disable:
                     specs[spec.id] = spec
             await self.service.assign(specs, {shard_id: 0 for shard_id in specs})
+
+    def _stop_serving(self) -> None:
+        """The lease is in doubt: it may lapse any moment, and the others take these shards
+        over. Stop serving them now, committing nothing more (what a primary consumed but
+        did not commit, its next primary does again); the follower then drops them, and
+        takes the assignments up again once the lease is answered for."""
+        replicas = [r for r in self.service.replicas.values() if not r.stopping]
+        if replicas:
+            log.warning("member %s: stops serving %d shard(s) while its lease is in doubt",
+                        self.options.member_id(), len(replicas))
+        for replica in replicas:
+            replica.abandon()
 
     def _is_primary_here(self, shard_id: str) -> bool:
         """Whether the KeySpace (as last seen) assigns this member the shard's primary."""
@@ -245,7 +264,14 @@ class Member:
         retry: float | None = None  # seconds until statuses not written are tried again
         while True:
             state = allocator.state
-            mine = {a.item: a for a in allocator.my_assignments() if a.item in state.items}
+            in_doubt = allocator.lease_in_doubt
+            # Assignments under another lease than the member's are gone with that lease
+            # (expired; the watch may not show it yet): serve none of them.
+            mine = {
+                a.item: a
+                for a in allocator.my_assignments()
+                if a.item in state.items and a.lease == allocator.lease and not in_doubt
+            }
             changed = self.service.changed
             slots = {item: a.slot for item, a in mine.items()}
             # An assignment deleted and made again (`streamkit shards unassign` of a FAILED
@@ -262,6 +288,8 @@ class Member:
                     state.items, {i: s for i, s in slots.items() if i not in renewed}
                 )
             await self.service.assign(state.items, slots)
+            if allocator.lease_in_doubt:  # since this look: what started must not serve
+                self._stop_serving()
             for item, a in mine.items():
                 replica = self.service.replicas.get(item)
                 if replica is not None:
@@ -273,7 +301,14 @@ class Member:
             except KeySpaceError as e:
                 log.warning("member %s: cannot report statuses (%s); retrying", allocator.member, e)
                 retry = _REPORT_RETRY
-            await first_of([allocator.wait_for_change(state.revision), changed.wait()], retry)
+            await first_of(
+                [
+                    allocator.wait_for_change(state.revision),
+                    changed.wait(),
+                    allocator.wait_doubt_changed(),
+                ],
+                retry,
+            )
 
     async def _report(self, mine: dict[str, Assignment]) -> None:
         """Write replicas' statuses where the KeySpace has another."""

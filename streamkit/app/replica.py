@@ -148,6 +148,23 @@ class Replica:
         except TimeoutError:
             log.warning("shard %s: releasing took over %.0fs; left behind", self.id, timeout)
 
+    def abandon(self) -> None:
+        """Stop serving at once and commit nothing more: no more queries, the transaction
+        in progress (or the standby's playback) cancelled. A commit already on its way to
+        the broker may still land (it is whole, and fenced like any). `stop` then releases
+        what the replica holds. For a member whose lease is in doubt: the others may take
+        the shard over any moment, and a primary must not serve past that."""
+        self._stopping.set()
+        if self.status.code != Code.IDLE:
+            self._set_status(Code.IDLE)
+        if self._task is not None:
+            self._task.cancel()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether `stop` or `abandon` was called."""
+        return self._stopping.is_set()
+
     async def wait(self) -> None:
         """Until the replica's task ended (a stopped or failed shard)."""
         if self._task is not None:

@@ -53,6 +53,8 @@ from streamkit.client import BrokerClient, TransportError
 from streamkit.client.broker_client import BROKER_ENV
 from streamkit.keyspace import open_keyspace
 from streamkit.keyspace.keyspace import KeySpace
+from streamkit.protocol import pb
+from streamkit.protocol.conformance import problems_of
 from streamkit.tasks import cancel_and_wait
 
 __all__ = ["DEFAULT_BROKER_PORT", "app_config", "keyspace_url_of", "run", "serve",
@@ -92,7 +94,8 @@ async def _member(config: AppConfig, app_class: type, client: BrokerClient, keys
                   *, suffix: str, broker_file_root: Path | None,
                   stop_timeout: Callable[[], float] = lambda: STOP_TIMEOUT,
                   security: Security | None = None, host: str = "127.0.0.1",
-                  port: int = 0, advertise: str | None = None,
+                  port: int = 0, advertise: str | None = None, zone: str = "local",
+                  lease_ttl: float = 1.0,
                   ) -> AsyncIterator[Member]:
     """A member with its Shard API and HTTP endpoints (on `host`, announced as `advertise`
     when given), stopped gracefully on exit (its commits bounded by `stop_timeout()`, asked
@@ -100,7 +103,7 @@ async def _member(config: AppConfig, app_class: type, client: BrokerClient, keys
     from streamkit.app.member_apis import serve_member_apis
 
     options = MemberOptions(work_dir=config.data_dir / "shards" / suffix, suffix=suffix,
-                            file_root=broker_file_root)
+                            zone=zone, file_root=broker_file_root, lease_ttl=lease_ttl)
     member = Member(config, app_class, client, keyspace, options)
     try:
         grpc_server, http_runner, _ = await serve_member_apis(member, host, port, security,
@@ -336,7 +339,16 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
               help="KeySpace (default: APP_DIR/.streamkit/keyspace.db).")
 @click.option("--shards", type=click.IntRange(1, 1000), default=None,
               help="Number of shards (default: streamkit.yaml's); must be the deployed count.")
-@click.option("--suffix", default=None, help="This member's name (default: host-pid).")
+@click.option("--suffix", default=None,
+              help="This member's name, 4 to 128 characters (default: host-pid).")
+@click.option("--zone", default="local", show_default=True,
+              help="This member's zone: a shard's primary and standbys go to different zones "
+                   "where the members allow it.")
+@click.option("--lease-ttl", type=click.FloatRange(0.5, 600), default=1.0, show_default=True,
+              metavar="SECONDS",
+              help="The member's lease: others take its shards over this long after it "
+                   "stops answering (etcd rounds it up to whole seconds). Longer rides out "
+                   "slow networks and stalls; shorter fails over sooner.")
 @click.option("--store", type=click.Choice(STORE_KINDS), default=None,
               help="Store kind, overriding streamkit.yaml (must match the other members).")
 @click.option("--file-root", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -354,9 +366,9 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
 @security_options(serves=True, dials=True)
 @async_command(interrupt_exit=0)
 async def serve(app_dir: Path, broker: str, keyspace: str | None, shards: int | None,
-                suffix: str | None, store: str | None, file_root: Path | None, host: str,
-                port: int, advertise: str | None, log_level: str,
-                security: Security) -> None:
+                suffix: str | None, zone: str, lease_ttl: float, store: str | None,
+                file_root: Path | None, host: str, port: int, advertise: str | None,
+                log_level: str, security: Security) -> None:
     """Run one member process of APP_DIR's shards until SIGTERM or Ctrl-C.
 
     Beyond loopback (--host 0.0.0.0, say) it needs --auth-keys (or client
@@ -369,12 +381,14 @@ async def serve(app_dir: Path, broker: str, keyspace: str | None, shards: int | 
         raise CliError(f"refusing to serve: {err}", DATA_ERROR) from None
     if advertise:  # the HTTP API answers the name it is reached by
         security = replace(security, allowed_hosts=(*security.allowed_hosts, advertise))
-    config, app_class = app_config(app_dir, shards, None, store)
     suffix = suffix or f"{os.uname().nodename}-{os.getpid()}"
+    if problems := problems_of(pb.ProcessSpec.ID(zone=zone, suffix=suffix)):
+        raise CliError("--zone/--suffix: " + "; ".join(problems), DATA_ERROR)
+    config, app_class = app_config(app_dir, shards, None, store)
     async with BrokerClient(broker, security) as client, open_keyspace(
             keyspace_url_of(config, keyspace)) as ks:
         await check_layout(config, ks)
-        async with _member(config, app_class, client, ks, suffix=suffix,
-                           broker_file_root=file_root, security=security, host=host,
-                           port=port, advertise=advertise) as member:
+        async with _member(config, app_class, client, ks, suffix=suffix, zone=zone,
+                           lease_ttl=lease_ttl, broker_file_root=file_root, security=security,
+                           host=host, port=port, advertise=advertise) as member:
             await _until_signalled(member=member)

@@ -1,0 +1,360 @@
+"""A cluster on etcd: three `streamkit serve` members and the bundled broker sharing one etcd
+KeySpace (a prefix of a real etcd 3.5 per test), killed, paused, and cut off from etcd.
+
+Every test runs the wordcount example (hot standbys on) as real processes and judges what a
+user could observe: the KeySpace's assignments, the members' Shard and HTTP APIs, the
+committed output topic, `streamkit query`, and the members' logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import signal
+import time
+import urllib.error
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from streamkit.app.member import deploy
+from streamkit.app.resolver import Resolver
+from tests.brokerproc import BrokerProcess
+from tests.e2e import (
+    AppView,
+    Feeder,
+    Proc,
+    cli,
+    copy_wordcount,
+    eventually,
+    expected_counts,
+    serve_app,
+    totals_of_updates,
+)
+from tests.waiting import LIVENESS
+
+if TYPE_CHECKING:
+    from tests.etcdproc import EtcdServer
+
+pytest_plugins = ["tests.etcdproc"]  # the etcd fixtures
+
+pytestmark = pytest.mark.slow
+
+MEMBERS = ("node-a", "node-b", "node-c")  # Gazette wants suffixes of 4+ characters
+
+
+@dataclass
+class Cluster:
+    """The app folder, its broker, and its members (restartable, each logging to its own
+    file per start)."""
+
+    app: Path
+    url: str  # the etcd KeySpace everyone shares
+    broker: BrokerProcess
+    logs: Path
+    members: dict[str, Proc] = field(default_factory=dict)
+    starts: Counter[str] = field(default_factory=Counter)
+
+    def serve(self, name: str) -> Proc:
+        self.starts[name] += 1
+        log_path = self.logs / f"serve-{name}-{self.starts[name]:02d}.log"
+        self.members[name] = serve_app(self.app, self.broker.address, name, log_path,
+                                       "--keyspace", self.url)
+        return self.members[name]
+
+    def feeder(self, name: str, **options: object) -> Feeder:
+        return Feeder(self.app, self.broker.address, self.logs / f"{name}.log",
+                      **options)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        for proc in self.members.values():
+            proc.stop()
+
+
+@contextlib.asynccontextmanager
+async def cluster_of(tmp_path: Path, url: str) -> AsyncIterator[tuple[Cluster, AppView]]:
+    """A broker and members node-a, -b, -c on the etcd KeySpace at `url`, every shard with a
+    PRIMARY and a STANDBY; stopped afterwards."""
+    app = copy_wordcount(tmp_path / "wordcount", standbys=1)
+    broker = BrokerProcess(tmp_path / "broker", extra_args=["--keyspace", url]).start()
+    cluster = Cluster(app, url, broker, tmp_path)
+    try:
+        async with AppView(app, broker.address, keyspace=url) as view:
+            await view.state()  # opens the KeySpace
+            await deploy(view.config, view.client, view.keyspace)
+            for name in MEMBERS:
+                cluster.serve(name)
+            await eventually(view.standing_by, 90, "a PRIMARY and a STANDBY per shard")
+            yield cluster, view
+    finally:
+        cluster.stop()
+        broker.kill()
+
+
+async def check_exact(view: AppView, ids: range) -> dict[str, str]:
+    """Once the cluster settled, counts are exact both as queried from the primaries and in
+    the committed output (each count update exactly once); returns shard -> its primary's
+    endpoint."""
+    expected = expected_counts(ids)
+    await eventually(lambda: settled(view), LIVENESS, "primaries spread over the members")
+    deadline = time.monotonic() + LIVENESS
+    while True:
+        serving = await view.wait_caught_up(timeout=LIVENESS)
+        try:
+            counts = await view.query_counts(serving)
+            break
+        except urllib.error.HTTPError as error:
+            if error.code != 404 or time.monotonic() > deadline:
+                raise
+            # A primary moved since (a hand-off evening out primaries): ask the new one.
+    assert counts == expected
+    assert totals_of_updates(await view.output_updates()) == expected
+    return serving
+
+
+async def settled(view: AppView) -> bool:
+    """Every shard has a PRIMARY and a STANDBY, and no member has two primaries more than
+    another (so no hand-off is coming)."""
+    if not await view.standing_by():
+        return False
+    state = await view.state()
+    primaries = Counter({m.suffix: 0 for m in state.members})
+    for shard in view.config.shard_ids():
+        primary = state.primary_of(shard)
+        if primary is None:
+            return False
+        primaries[primary.suffix] += 1
+    return max(primaries.values()) - min(primaries.values()) <= 1
+
+
+async def served_without(view: AppView, member: str) -> dict[str, str] | None:
+    """Shard -> primary endpoint, once `member` is gone from the KeySpace (its lease expired)
+    and every shard is PRIMARY at another member that answers Stat for it."""
+    state = await view.state()
+    if any(m.suffix == member for m in state.members):
+        return None
+    serving = await view.serving()
+    if serving is None or any(state.primary_of(s).suffix == member  # type: ignore[union-attr]
+                              for s in serving):
+        return None
+    return serving
+
+
+def restart_dead(cluster: Cluster) -> dict[str, str]:
+    """Members that exited by themselves, started again: name -> the end of its log."""
+    dead = {name: proc.log() for name, proc in cluster.members.items() if not proc.alive}
+    for name in dead:
+        cluster.serve(name)
+    return dead
+
+
+# --- SIGKILL ----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(420)
+async def test_sigkill_chaos_on_etcd_keeps_counts_exact(
+        etcd_url: str, tmp_path: Path, rng: random.Random) -> None:
+    """A random member SIGKILLed at random moments (serving, or still recovering) and started
+    again, 20 times, while input keeps arriving: in the end every line is counted exactly once
+    and every count update is in the output exactly once. The moments come from the seeded
+    `rng` (STREAMKIT_TEST_SEED replays them)."""
+    kills = 20
+    async with cluster_of(tmp_path, etcd_url) as (cluster, view):
+        feeder = cluster.feeder("feeder", batch=20, interval=0.05).start()
+        started = time.monotonic()
+        exited: dict[str, str] = {}
+        try:
+            # The random sleeps below choose kill moments (what is tested), not synchronisation.
+            for k in range(1, kills + 1):
+                victim = rng.choice(MEMBERS)
+                if rng.random() < 0.3:  # maybe while the last one still recovers
+                    await asyncio.sleep(rng.uniform(0.2, 1.5))
+                    moment = "early"
+                else:
+                    await view.wait_serving(timeout=LIVENESS)
+                    await asyncio.sleep(rng.uniform(0.0, 1.0))
+                    moment = "serving"
+                cluster.members[victim].kill()
+                print(f"kill {k}: {victim} ({moment}) at {time.monotonic() - started:.1f}s, "
+                      f"{feeder.acked()} lines acked")
+                cluster.serve(victim)
+                if dead := restart_dead(cluster):
+                    exited.update(dead)
+                    print(f"  exited by themselves, started again: {list(dead)}")
+            assert feeder.proc.alive, feeder.proc.log()
+            ids = feeder.finish()
+            assert len(ids) > 500, "the feeder should have run through the kills"
+            await check_exact(view, ids)
+            print(f"{kills} kills, {len(ids)} lines, {time.monotonic() - started:.1f}s")
+            assert not exited, f"no member dies of the others' deaths: {exited}"
+        finally:
+            feeder.proc.stop()
+
+
+# --- SIGSTOP ----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+async def test_paused_primary_is_fenced_and_commits_nothing(
+        etcd_url: str, tmp_path: Path, rng: random.Random) -> None:
+    """The member holding the most primaries is SIGSTOPped in the middle of its transactions
+    until its etcd lease expired and its shards are served elsewhere; more input arrives; then
+    it is SIGCONTinued. Whatever it consumed but had not committed, it must not commit now:
+    every line is counted exactly once and every update is in the output once."""
+    async with cluster_of(tmp_path, etcd_url) as (cluster, view):
+        ids = cluster.feeder("feed-1", count=600, interval=0).start().finish()
+        await check_exact(view, ids)
+
+        by_member = await view.primaries_by_member()
+        victim = max(by_member, key=lambda m: len(by_member[m]))
+        moved = by_member[victim]
+        proc = cluster.members[victim].proc
+        assert proc is not None
+        feeder = cluster.feeder("feed-2", start=ids.stop, batch=20, interval=0.02).start()
+        try:
+            # Pause it while it consumes: transactions are open (a random moment of them).
+            await eventually(lambda: feeder.acked() >= 100, LIVENESS, "input flowing")
+            await asyncio.sleep(rng.uniform(0.0, 0.5))
+            proc.send_signal(signal.SIGSTOP)
+            paused_at = time.monotonic()
+            await eventually(lambda: served_without(view, victim), LIVENESS,
+                             f"{moved} to be served without {victim}")
+            print(f"{moved} moved off paused {victim} in {time.monotonic() - paused_at:.1f}s")
+            acked = feeder.acked()
+            await eventually(lambda: feeder.acked() >= acked + 200, LIVENESS, "more input")
+            before = len(cluster.members[victim].text())
+            proc.send_signal(signal.SIGCONT)
+
+            def woke() -> str:
+                return cluster.members[victim].text()[before:]
+
+            # It wakes up to find its lease in doubt, then gone: it stops serving what it
+            # held, says so, and joins again under a new lease.
+            await eventually(lambda: "lost its lease; announcing again" in woke(), LIVENESS,
+                             f"{victim} to notice it lost its lease")
+            assert "stops serving" in woke(), woke()
+            await eventually(lambda: _member_back(view, victim), LIVENESS,
+                             f"{victim} to join again")
+            acked = feeder.acked()
+            await eventually(lambda: feeder.acked() >= acked + 200, LIVENESS, "more input")
+            ids = feeder.finish()
+        finally:
+            feeder.proc.stop()
+        print(f"{victim} after SIGCONT:\n{woke()}")
+        await check_exact(view, range(ids.stop))
+        await eventually(view.standing_by, LIVENESS, "a PRIMARY and a STANDBY per shard")
+        exited = {name: proc.log() for name, proc in cluster.members.items() if not proc.alive}
+        assert not exited, f"members exited: {exited}"
+
+
+async def _member_back(view: AppView, member: str) -> bool:
+    state = await view.state()
+    return any(m.suffix == member for m in state.members)
+
+
+# --- etcd restart -----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["stop", "crash"])
+async def test_members_ride_out_an_etcd_restart(
+        private_etcd: EtcdServer, tmp_path: Path, sig: signal.Signals,
+        rng: random.Random) -> None:
+    """etcd stops (or crashes) while input arrives, and starts again on the same data and
+    ports a moment later: the members stop serving while their leases are in doubt, take
+    their shards up again when etcd answers (their leases lived through the restart, or they
+    join again under new ones), no member exits, and the counts stay exact."""
+    async with cluster_of(tmp_path, private_etcd.url("app/")) as (cluster, view):
+        feeder = cluster.feeder("feeder", batch=20, interval=0.05).start()
+        try:
+            await eventually(lambda: feeder.acked() >= 200, LIVENESS, "input flowing")
+            await view.wait_serving(timeout=LIVENESS)
+            private_etcd.stop(sig)
+            stopped = time.monotonic()
+            await asyncio.to_thread(_wait_logged, cluster, "its lease may lapse")
+            await asyncio.sleep(rng.uniform(0.0, 3.0))  # how long etcd stays down: tested
+            await asyncio.to_thread(private_etcd.start)
+            print(f"etcd down {time.monotonic() - stopped:.1f}s")
+            await asyncio.to_thread(_wait_logged, cluster, "answered again",
+                                    "lost its lease; announcing again",
+                                    among="its lease may lapse")
+            acked = feeder.acked()
+            await eventually(lambda: feeder.acked() >= acked + 200, LIVENESS, "more input")
+            ids = feeder.finish()
+        finally:
+            feeder.proc.stop()
+        await check_exact(view, ids)
+        await eventually(view.standing_by, LIVENESS, "a PRIMARY and a STANDBY per shard")
+        exited = {name: proc.log() for name, proc in cluster.members.items() if not proc.alive}
+        assert not exited, f"members exited: {exited}"
+
+
+def _wait_logged(cluster: Cluster, *texts: str, among: str | None = None) -> None:
+    """Until some member logged one of `texts`; with `among`: until each member that logged
+    `among` logged one of `texts` after it."""
+
+    def logged(text: str) -> bool:
+        return any(t in text for t in texts)
+
+    def done() -> bool:
+        if among is None:
+            return any(logged(proc.text()) for proc in cluster.members.values())
+        return all(logged(proc.text().partition(among)[2])
+                   for proc in cluster.members.values() if among in proc.text())
+
+    deadline = time.monotonic() + LIVENESS
+    while not done():
+        assert time.monotonic() < deadline, f"not logged: {texts}"
+        time.sleep(0.05)
+
+
+# --- queries ----------------------------------------------------------------------------------
+
+
+async def test_queries_reach_every_primary_through_etcd(etcd_url: str, tmp_path: Path) -> None:
+    """`streamkit query --keyspace etcd://...` finds each shard's primary, on whichever member
+    it runs, and combines their answers; the Shard API's Stat of any shard, asked of any
+    member, is forwarded to its primary."""
+    async with cluster_of(tmp_path, etcd_url) as (cluster, view):
+        ids = cluster.feeder("feed", count=600, interval=0).start().finish()
+        await check_exact(view, ids)
+        expected = expected_counts(ids)
+        by_member = await view.primaries_by_member()
+        assert len(by_member) > 1, by_member
+
+        for word in ("w0", "w7", "nope"):
+            asked = cli("query", str(cluster.app), json.dumps({"word": word}), "--keyspace",
+                        cluster.url)
+            assert asked.returncode == 0, asked
+            assert int(asked.stdout) == expected[word], asked
+        one = next(s for s in view.config.shard_ids())
+        asked = cli("query", str(cluster.app), '{"word": "w1"}', "--shard", one,
+                    "--keyspace", cluster.url)
+        assert asked.returncode == 0, asked
+        serving = await view.wait_serving()
+        assert int(asked.stdout) == (await view.query_counts({one: serving[one]}, ["w1"]))["w1"]
+
+        asked = cli("query", str(cluster.app), '{"word": "w2"}', "--key", "12345",
+                    "--keyspace", cluster.url)
+        assert asked.returncode == 0, asked
+        assert view.keyspace is not None
+        owner = Resolver(view.config, view.keyspace).shard_of("12345")
+        assert int(asked.stdout) == (await view.query_counts({owner: serving[owner]},
+                                                             ["w2"]))["w2"]
+
+        # Stat, asked of each member about every shard (most of them primary elsewhere).
+        state = await view.state()
+        assert len(state.members) == len(MEMBERS)
+        heads = await view.heads()
+        for member in state.members:
+            endpoint = view.endpoint_of(state, member)
+            for shard in view.config.shard_ids():
+                through = {j: heads[j] for j in view.sources_of(shard)}
+                response = await view.stat(endpoint, shard, through)
+                assert dict(response.read_through).items() >= through.items(), response
