@@ -15,6 +15,7 @@ import random
 import signal
 import time
 import urllib.error
+import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from streamkit.app.member import deploy
+from streamkit.app.member_http import http_url
 from streamkit.app.resolver import Resolver
 from tests.brokerproc import BrokerProcess
 from tests.e2e import (
@@ -358,3 +360,26 @@ async def test_queries_reach_every_primary_through_etcd(etcd_url: str, tmp_path:
                 through = {j: heads[j] for j in view.sources_of(shard)}
                 response = await view.stat(endpoint, shard, through)
                 assert dict(response.read_through).items() >= through.items(), response
+
+        # A query over HTTP, asked of any member, is forwarded to the shard's primary; one
+        # marked as forwarded already is not forwarded again.
+        serving = await view.wait_serving()
+        endpoints = [view.endpoint_of(state, member) for member in state.members]
+        for shard in view.config.shard_ids():
+            want = await view.query_counts({shard: serving[shard]}, ["w3"])
+            for endpoint in endpoints:
+                assert await view.query_counts({shard: endpoint}, ["w3"]) == want, endpoint
+        shard, primary = next(iter(serving.items()))
+        other = next(e for e in endpoints if e != primary)
+        code, text = await asyncio.to_thread(
+            _post, f"{http_url(other)}/query/{shard}", {"X-Streamkit-Forwarded": "1"})
+        assert code == 404 and ("not primary here" in text or "not run by" in text), text
+
+
+def _post(url: str, headers: dict[str, str]) -> tuple[int, str]:
+    request = urllib.request.Request(url, b'{"word": "w3"}', headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()

@@ -5,12 +5,12 @@
   id, status, errors, read_through, publish_at, transactions, messages, last_commit,
   write_heads (as the shard's readers last heard them: lag without asking the broker).
 * ``POST /query/{shard}`` with a JSON object: the shard's `Application.query`
-  answer as JSON. 404 when the shard isn't primary here, 400 for a body that
-  isn't a JSON object or a QueryError, 500 for any other failure of the query.
+  answer as JSON. 400 for a body that isn't a JSON object or a QueryError,
+  500 for any other failure of the query, 404 when the shard has no primary.
 
 Queries are answered only by the shard's primary, which sees its committed
-state; a client finds the primary with `streamkit shards list` (or the
-Shard API's List route).
+state. Any member takes a query: one for a shard whose primary runs
+elsewhere is forwarded there (`streamkit.app.query_forward`).
 
 The server runs on a thread with an event loop of its own, so that /status
 and /metrics answer while user code blocks the member's loop (a stuck hook:
@@ -41,6 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from streamkit.app import watchdog
 from streamkit.app.application import QueryError
+from streamkit.app.query_forward import FORWARDED, PrimaryOf, forward_query
 from streamkit.app.replica import Replica
 from streamkit.app.service import Service
 from streamkit.auth.scope import require_shard, shard_allowed
@@ -86,11 +87,13 @@ def _error(status: int, message: str) -> web.Response:
 
 class _Handlers:
     def __init__(self, service: Service, member_loop: asyncio.AbstractEventLoop,
-                 query_timeout: float, max_body: int) -> None:
+                 query_timeout: float, security: Security,
+                 primary_of: PrimaryOf | None) -> None:
         self.service = service
         self.member_loop = member_loop
         self.query_timeout = query_timeout
-        self.max_body = max_body
+        self.security = security
+        self.primary_of = primary_of
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -104,15 +107,12 @@ class _Handlers:
         shard = request.match_info["shard"]
         replica = self.service.replicas.get(shard)
         require_shard(shard, replica.shard.spec.labels if replica is not None else None)
-        if replica is None:
-            return _error(404, f"shard {shard} is not run by this member")
-        if replica.status.code != Code.PRIMARY:
-            state = Code.Name(replica.status.code)
-            return _error(404, f"shard {shard} is not primary here (its replica is {state})")
+        if replica is None or replica.status.code != Code.PRIMARY:
+            return await self._elsewhere(request, shard, replica)
         try:
             body = json.loads(await request.read() or b"null")
         except web.HTTPRequestEntityTooLarge:
-            return _error(413, body_too_large(self.max_body))
+            return _error(413, body_too_large(self.security.max_body))
         except (ValueError, UnicodeDecodeError) as err:
             return _error(400, f"the request body is not JSON: {err}")
         if not isinstance(body, dict):
@@ -128,6 +128,27 @@ class _Handlers:
         if status != 200:
             return _error(status, text)
         return web.Response(text=text, content_type="application/json")
+
+
+    async def _elsewhere(self, request: web.Request, shard: str,
+                         replica: Replica | None) -> web.Response:
+        """A query of a shard not primary here: forwarded to its primary, unless it was
+        forwarded here already or the shard has no primary elsewhere (404)."""
+        endpoint = None
+        if self.primary_of is not None and FORWARDED not in request.headers:
+            endpoint = self.primary_of(shard)
+        if endpoint is None:
+            if replica is None:
+                return _error(404, f"shard {shard} is not run by this member, and has no "
+                                   "primary elsewhere right now")
+            state = Code.Name(replica.status.code)
+            return _error(404, f"shard {shard} is not primary here (its replica is {state})")
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, body_too_large(self.security.max_body))
+        return await forward_query(endpoint, shard, body, request.headers.get("Authorization"),
+                                   self.security, self.query_timeout)
 
 
 async def _answer(replica: Replica, body: dict[str, Any]) -> tuple[int, str]:
@@ -163,9 +184,10 @@ class HttpApi:
     """
 
     def __init__(self, service: Service, query_timeout: float | None = None,
-                 security: Security | None = None) -> None:
+                 security: Security | None = None, primary_of: PrimaryOf | None = None) -> None:
         self.service = service
         self.security = security or Security()
+        self.primary_of = primary_of
         self.query_timeout = watchdog.HOOK_TIMEOUT if query_timeout is None else query_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -173,7 +195,7 @@ class HttpApi:
 
     async def start(self, host: str, port: int, sock: socket.socket | None) -> None:
         handlers = _Handlers(self.service, asyncio.get_running_loop(), self.query_timeout,
-                             self.security.max_body)
+                             self.security, self.primary_of)
         started: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(
             target=self._serve, args=(handlers, host, port, sock, started),
@@ -222,11 +244,13 @@ async def start_http(
     sock: socket.socket | None = None,
     query_timeout: float | None = None,
     security: Security | None = None,
+    primary_of: PrimaryOf | None = None,
 ) -> HttpApi:
     """Serve the HTTP API of `service`'s replicas on `host:port`, or on `sock` (bound and
     listening on `host`: the caller chose the port for real); stop with `await
-    api.cleanup()`. `security`: TLS, Host allow-list (names of `host`) and tokens."""
-    api = HttpApi(service, query_timeout, security)
+    api.cleanup()`. `security`: TLS, Host allow-list (names of `host`) and tokens.
+    `primary_of` finds where to forward a query of a shard not primary here (None: 404)."""
+    api = HttpApi(service, query_timeout, security, primary_of)
     await api.start(host, port, sock)
     return api
 

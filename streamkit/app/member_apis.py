@@ -17,6 +17,7 @@ refuses to listen beyond loopback without authorization.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 from typing import TYPE_CHECKING, NamedTuple, Protocol
@@ -25,6 +26,7 @@ import grpc
 
 from streamkit.app.http_api import start_http
 from streamkit.app.shard_api import ShardAPI
+from streamkit.app.stat_client import find_primary
 from streamkit.auth.grpc_auth import SHARD_CAPABILITIES
 from streamkit.auth.settings import Security
 from streamkit.protocol import consumer_pb2_grpc as consumer_grpc
@@ -126,6 +128,18 @@ async def _bind_pair(
     return None
 
 
+def _primary_elsewhere(member: Member, shard: str) -> str | None:
+    """The Shard API endpoint of `shard`'s primary when another member is, as the member's
+    allocator last saw the KeySpace (read from the HTTP API's thread: a snapshot)."""
+    allocator = member.allocator
+    if allocator is None:
+        return None
+    primary = find_primary(allocator.state, shard)
+    if primary is None or primary.member == member.options.member_id():
+        return None
+    return primary.endpoint
+
+
 async def serve_member_apis(
     member: Member,
     host: str = "127.0.0.1",
@@ -173,7 +187,7 @@ async def serve_member_apis(
         await server.start()
         runner = await start_http(
             member.service, host, sock=http, query_timeout=member.runtime.watchdog.limit,
-            security=security,
+            security=security, primary_of=functools.partial(_primary_elsewhere, member),
         )
     except BaseException:
         http.close()
