@@ -115,6 +115,8 @@ async def test_hot_standby_takes_over(broker_proc: BrokerProcess, tmp_path: Path
             print(f"failover of {len(moved)} shard(s) from {victim} to {survivor}: "
                   f"{failover:.2f}s")
             assert set(taken) == set(moved)
+            # Noticed by the refused port (streamkit.app.peer_watch), not the lease's lapse.
+            assert "refuses connections" in members[survivor].text(), members[survivor].log()
 
             second = Feeder(app, address, tmp_path / "feed-2.log", start=1000, count=1000,
                             interval=0).start()

@@ -42,10 +42,11 @@ from streamkit.app.assignment import Assignment, MemberId
 from streamkit.app.config import AppConfig
 from streamkit.app.deploy import ensure_journals, ensure_shard_specs
 from streamkit.app.layout import Layout, check_layout, write_layout
+from streamkit.app.peer_watch import PeerWatch
 from streamkit.app.replica import STOP_TIMEOUT, Runtime
 from streamkit.app.service import Service
 from streamkit.app.store_kinds import build_store
-from streamkit.app.supervise import LoopFailure, supervised
+from streamkit.app.supervise import LoopFailure, Restart, supervised
 from streamkit.app.waits import first_of
 from streamkit.app.watchdog import Watchdog
 from streamkit.client import BrokerClient
@@ -144,6 +145,7 @@ class Member:
         self.failure: LoopFailure | None = None  # the loop whose failure stopped this member
         self._failed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._peer_watch: asyncio.Task[None] | None = None
         self._stopping: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -170,6 +172,13 @@ class Member:
                 self._follow_assignments,
                 owner=f"member {member}",
                 on_give_up=self._fail,
+            )
+            allocator = self.allocator
+            watch = PeerWatch(self.keyspace, member, lambda: allocator.state,
+                              allocator.wait_for_change)
+            self._peer_watch = supervised(  # restartable: it only ever speeds failover up
+                "peer-watch", watch.run, owner=f"member {member}", on_give_up=self._fail,
+                restart=Restart(),
             )
         else:
             kvs, _ = await self.keyspace.range(f"{self.config.keyspace_root}/items/")
@@ -213,6 +222,8 @@ class Member:
         await asyncio.shield(self._stopping)
 
     async def _stop(self, timeout: float) -> None:
+        if self._peer_watch is not None:
+            await cancel_and_wait(self._peer_watch, "the peer watch")
         if self._task is not None:
             await cancel_and_wait(self._task, "the assignment follower")
         try:
@@ -251,8 +262,9 @@ class Member:
 
     async def kill(self) -> None:
         """Stop without committing or leaving (what a crash looks like to the others)."""
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._peer_watch):
+            if task is not None:
+                task.cancel()
         if self.allocator is not None:
             await self.allocator.close()
 
