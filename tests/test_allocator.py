@@ -200,6 +200,22 @@ def test_limits_are_hard_and_primaries_come_first() -> None:
     assert all(len(members) == 1 for members in desired.values()), "one replica each first"
 
 
+def test_replicas_of_a_shard_spread_over_zones() -> None:
+    """Two zones of two members, a standby per shard: every shard has a replica in each
+    zone, so losing a whole zone leaves each shard one (`serve --zone`). Zones are a
+    preference below balance: with zones of unequal size, balance comes first."""
+    img = Image()
+    members = [MemberId(zone, f"{zone}-{i}") for zone in ("east", "west") for i in (1, 2)]
+    for m in members:
+        img.member(m)
+    for i in range(6):
+        img.item(f"s{i}", standbys=1)
+    desired = solve(img.state())
+    assert all({m.zone for m in chosen} == {"east", "west"} for chosen in desired.values()), \
+        desired
+    assert sorted(loads(desired).values()) == [3, 3, 3, 3]
+
+
 def test_failed_primary_is_pinned() -> None:
     img = Image()
     img.member(A)
