@@ -116,8 +116,8 @@ async def test_a_forwarded_stat_passes_the_primarys_failure_on(
         async with open_keyspace(str(path)) as keyspace:
             await deploy(config, client, keyspace)
         async with (
-            member_with_apis(config, client, path, "m1", allocate=True) as one,
-            member_with_apis(config, client, path, "m2", allocate=True) as two,
+            member_with_apis(config, client, path, "mem1", allocate=True) as one,
+            member_with_apis(config, client, path, "mem2", allocate=True) as two,
         ):
             members = [one, two]
 

@@ -37,6 +37,7 @@ from streamkit.broker.service import (
     JournalService,
     check_journal_name,
 )
+from streamkit.errors import StreamkitError
 from streamkit.protocol import pb
 from streamkit.protocol.fragments import content_name, digest_of, fragment_url
 
@@ -213,7 +214,7 @@ class HttpGateway:
         )
 
 
-class BodyTooLarge(Exception):
+class BodyTooLarge(StreamkitError):
     """A PUT body passed the server's --max-body-size."""
 
 

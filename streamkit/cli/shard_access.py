@@ -28,6 +28,7 @@ from streamkit.auth.settings import Security
 from streamkit.auth.signer import Metadata
 from streamkit.auth.tokens import Capability
 from streamkit.client.broker_client import normalize_address
+from streamkit.errors import StreamkitError
 from streamkit.keyspace.keyspace import KeySpace
 from streamkit.protocol import consumer_pb, pb
 from streamkit.protocol import consumer_pb2_grpc as consumer_grpc
@@ -38,7 +39,7 @@ CONSUMER_ENV = "CONSUMER_ADDRESS"  # gazctl's name for a consumer member's addre
 Changes = Sequence[consumer_pb.ApplyRequest.Change]
 
 
-class Unreachable(Exception):
+class Unreachable(StreamkitError):
     """A Stat could not get an answer: `status` is the Shard service's reason, or the RPC
     error is attached as the cause; `where` names whom the call went to."""
 

@@ -143,8 +143,9 @@ class Appender:
             metadata = self.client.auth(Capability.APPEND, self.journal)
             self._call = self.client.stub_for(self.journal).Append(metadata=metadata)
             try:
-                with translating_rpc_errors(f"append to {self.journal}"):
-                    await self._call.write(self.request)
+                # As any write: a call the broker already finished says why when awaited
+                # (grpc.aio raises InvalidStateError for such a write when intercepted).
+                await self._write(self._call, self.request)
             except BaseException:
                 self.cancel()
                 raise
