@@ -7,6 +7,7 @@ import click
 from streamkit.cli.auth import auth
 from streamkit.cli.backfill import backfill
 from streamkit.cli.broker import broker
+from streamkit.cli.deploy import deploy
 from streamkit.cli.journals import journals
 from streamkit.cli.new import new
 from streamkit.cli.publish import publish
@@ -25,6 +26,7 @@ def cli() -> None:
 cli.add_command(auth)
 cli.add_command(backfill)
 cli.add_command(broker)
+cli.add_command(deploy)
 cli.add_command(journals)
 cli.add_command(new)
 cli.add_command(publish)

@@ -57,8 +57,8 @@ from streamkit.protocol import pb
 from streamkit.protocol.conformance import problems_of
 from streamkit.tasks import cancel_and_wait
 
-__all__ = ["DEFAULT_BROKER_PORT", "app_config", "keyspace_url_of", "run", "serve",
-           "start_bundled_broker"]
+__all__ = ["DEFAULT_BROKER_PORT", "app_config", "deploy_when_ready", "keyspace_url_of", "run",
+           "serve", "start_bundled_broker"]
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ async def _wait_for_members(config: AppConfig, keyspace: KeySpace, workers: list
         await asyncio.sleep(0.1)
 
 
-async def _deploy_when_ready(config: AppConfig, client: BrokerClient, keyspace: KeySpace,
+async def deploy_when_ready(config: AppConfig, client: BrokerClient, keyspace: KeySpace,
                              broker: str, timeout: float = 30.0) -> None:
     """Create the app's journals and shards, retrying while the broker is still starting."""
     loop = asyncio.get_running_loop()
@@ -293,7 +293,7 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
                                         config.data_dir / f"worker-{index}.log",
                                         env=security_env(security, dict(os.environ))))
         async with BrokerClient(broker, security) as client, open_keyspace(keyspace_url) as ks:
-            await _deploy_when_ready(config, client, ks, broker)
+            await deploy_when_ready(config, client, ks, broker)
             await _wait_for_members(config, ks, workers_)
             async with _member(config, app_class, client, ks, suffix="worker-0",
                                broker_file_root=file_root, stop_timeout=stop_timeout,
