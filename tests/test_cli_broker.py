@@ -34,3 +34,27 @@ def test_json_logs_are_one_object_per_line(tmp_path: Path) -> None:
     lines = [json.loads(line) for line in broker.log().splitlines() if line.strip()]
     assert any(entry["msg"] == "broker stopped" for entry in lines)
     assert all({"ts", "level", "logger", "msg"} <= entry.keys() for entry in lines)
+
+
+def test_advertise_names_the_broker_in_routes(tmp_path: Path) -> None:
+    """`--advertise HOST`: routes name the broker by the host clients reach it by, and the
+    HTTP gateway answers that name."""
+    import urllib.request
+
+    from tests import wire
+
+    broker = BrokerProcess(tmp_path / "broker",
+                           extra_args=["--advertise", "broker.example"]).start()
+    try:
+        journals = wire.stub(broker.address)
+        wire.create(journals, wire.spec("advertised/one"))
+        _, metadata = wire.read(journals, "advertised/one", block=False)
+        route = metadata[0].header.route
+        assert list(route.endpoints) == [f"grpc://broker.example:{broker.port}"], route
+        request = urllib.request.Request(f"{broker.http_url}/advertised/one", b"hi\n",
+                                         headers={"Host": f"broker.example:{broker.port + 1}"},
+                                         method="PUT")
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 204
+    finally:
+        broker.kill()

@@ -59,6 +59,7 @@ class BrokerConfig:
     port: int = DEFAULT_PORT
     http_port: int | None = None  # default: port + 1; 0 disables the gateway
     host: str = "127.0.0.1"
+    advertise: str | None = None  # the host others reach it by (default: host, or hostname)
     file_root: Path | None = None
     keyspace: str | None = None
     zone: str = "local"
@@ -104,7 +105,7 @@ class Broker:
         )
         self.persister.start()
         await self.registry.start()
-        endpoint = cfg.security.endpoint(cfg.host, cfg.port)
+        endpoint = cfg.security.endpoint(cfg.advertise or cfg.host, cfg.port)
         identity = Identity(zone=cfg.zone, suffix=cfg.suffix, endpoint=endpoint)
         self.service = JournalService(self.registry, identity, cfg.append_timeout,
                                       cfg.min_append_rate)

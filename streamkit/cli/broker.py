@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -28,6 +29,9 @@ def broker() -> None:
 @click.option("--http-port", type=click.IntRange(0, 65535), default=None,
               help="HTTP gateway and /metrics port [default: --port + 1; 0 disables].")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--advertise", default=None, metavar="HOST",
+              help="The host name clients reach this broker by, announced in routes "
+                   "[default: --host, or the machine's name when it is 0.0.0.0].")
 @click.option("--file-root", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Root of file:/// store URLs [default: DATA_DIR/fragments].")
 @click.option("--keyspace", default=None,
@@ -45,8 +49,8 @@ def broker() -> None:
               type=click.Choice(["text", "json"]), help="json: one structured object per line.")
 @security_options(serves=True, dials=False)
 def serve_cmd(data_dir: Path, port: int, http_port: int | None, host: str,
-              file_root: Path | None, keyspace: str | None, append_timeout: float,
-              min_append_rate: int, log_level: str, log_format: str,
+              advertise: str | None, file_root: Path | None, keyspace: str | None,
+              append_timeout: float, min_append_rate: int, log_level: str, log_format: str,
               security: Security) -> None:
     """Serve journals until SIGTERM or Ctrl-C.
 
@@ -54,7 +58,10 @@ def serve_cmd(data_dir: Path, port: int, http_port: int | None, host: str,
     certificates required), unless --insecure.
     """
     configure_logging(log_level, log_format)
+    if advertise:  # the HTTP gateway answers the name it is reached by
+        security = replace(security, allowed_hosts=(*security.allowed_hosts, advertise))
     config = BrokerConfig(data_dir=data_dir.resolve(), port=port, http_port=http_port, host=host,
+                          advertise=advertise,
                           file_root=file_root.resolve() if file_root else None, keyspace=keyspace,
                           append_timeout=append_timeout, min_append_rate=min_append_rate,
                           security=security)
