@@ -320,3 +320,28 @@ def test_member_names_follow_gazettes_rules(tmp_path: Path) -> None:
         done = cli("serve", str(app), "--broker", "127.0.0.1:1", option, value, timeout=30)
         assert done.returncode == 2, done
         assert done.stderr.count("\n") == 1 and reason in done.stderr, done.stderr
+
+
+async def test_restart_after_sigkill_does_not_wait_out_the_old_lease(
+        broker_proc: BrokerProcess, tmp_path: Path) -> None:
+    """A member with a long lease (`serve --lease-ttl 60`) SIGKILLed and started again under
+    its name: it finds its previous incarnation's port refusing connections and revokes that
+    lease rather than waiting a minute for it to lapse; the app serves with exact counts."""
+    app = copy_wordcount(tmp_path / "wordcount")
+    address = broker_proc.address
+    long_lease = ("--lease-ttl", "60")
+    async with AppView(app, address) as view:
+        await view.state()  # opens (creates) the KeySpace
+        await deploy(view.config, view.client, view.keyspace)
+        member = serve_app(app, address, "mem-a", tmp_path / "serve-1.log", *long_lease)
+        try:
+            await view.wait_serving(timeout=60)
+            ids = Feeder(app, address, tmp_path / "feed.log", count=200, interval=0).start() \
+                .finish()
+            await view.wait_caught_up(timeout=60)
+            member.kill()
+            member = serve_app(app, address, "mem-a", tmp_path / "serve-2.log", *long_lease)
+            await _check_exact(view, ids)  # well within the old lease's minute
+            assert "previous incarnation" in member.text(), member.log()
+        finally:
+            member.stop()

@@ -86,6 +86,7 @@ from streamkit.app.assignment import (
     member_key,
 )
 from streamkit.app.lease_keeper import LeaseKeeper
+from streamkit.app.peer_watch import refuses
 from streamkit.app.solver import Placement, solve
 from streamkit.app.supervise import LoopFailure, Restart, supervised
 from streamkit.errors import StreamkitError
@@ -490,12 +491,32 @@ class Allocator:
             )
             if result.succeeded:
                 return
+            if await self._revoke_dead_predecessor():
+                continue
             if not warned:
                 log.warning("member key %s exists; waiting for it to expire", self.key)
                 warned = True
             await asyncio.sleep(min(0.1, self.lease_ttl / 4))
             if not await self.keyspace.keepalive(self.lease):
                 self.lease = await self.keyspace.grant(self.lease_ttl)
+
+    async def _revoke_dead_predecessor(self) -> bool:
+        """Revoke the lease of this member's previous incarnation (a process under the same
+        name that was killed: a restart) when its Shard API refuses connections, instead of
+        waiting for the lease to lapse. A live process of the same name keeps its key."""
+        kv = await self.keyspace.get(self.key)
+        if kv is None or not kv.lease or kv.lease == self.lease:
+            return kv is None
+        endpoint = consumer_pb.ConsumerSpec.FromString(kv.value).process_spec.endpoint
+        if not endpoint or not await refuses(endpoint):
+            return False
+        log.info("member %s: its previous incarnation at %s is gone; revoking its lease %d",
+                 self.member, endpoint, kv.lease)
+        try:
+            await self.keyspace.revoke(kv.lease)
+        except KeySpaceError as err:  # already gone meanwhile
+            log.info("member %s: revoking lease %d: %s", self.member, kv.lease, err)
+        return True
 
     # -- state -----------------------------------------------------------------
 

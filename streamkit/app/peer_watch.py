@@ -29,7 +29,7 @@ from streamkit.auth.tls import parse_address
 from streamkit.keyspace.keyspace import KeySpace, KeySpaceError
 from streamkit.tasks import cancel_and_wait
 
-__all__ = ["PeerWatch"]
+__all__ = ["PeerWatch", "refuses"]
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class PeerWatch:
                     asyncio.open_connection(where.host, where.port), _CONNECT_TIMEOUT)
             except ConnectionRefusedError:
                 await asyncio.sleep(_CONFIRM)
-                if await _refuses(where.host, where.port):
+                if await refuses(endpoint):
                     await self._revoke(member, lease, endpoint)
                     return
                 continue
@@ -111,9 +111,13 @@ class PeerWatch:
             log.info("member %s: revoking %s's lease %d: %s", self.me, member, lease, err)
 
 
-async def _refuses(host: str, port: int) -> bool:
+async def refuses(endpoint: str) -> bool:
+    """Whether the Shard API `endpoint` refuses connections: nothing listens there (its
+    process is gone). A timeout or another network error is no proof: False."""
+    where = parse_address(endpoint)
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), _CONNECT_TIMEOUT)
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(where.host, where.port), _CONNECT_TIMEOUT)
     except ConnectionRefusedError:
         return True
     except (OSError, TimeoutError):
