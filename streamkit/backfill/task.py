@@ -50,6 +50,7 @@ from typing import Any
 from streamkit.app.application import Application
 from streamkit.app.checkpoints import build_checkpoint, producer_states, start_offsets
 from streamkit.app.config import AppConfig
+from streamkit.app.gc_tuning import tune_for_throughput
 from streamkit.app.publishing import ShardPublisher
 from streamkit.app.shard import Shard
 from streamkit.app.store_kinds import build_store, records_to_log
@@ -425,6 +426,7 @@ def run_shard_task(plan: BackfillPlan, index: int, app_dir: str | None = None) -
     """
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tune_for_throughput()
     shard_id = plan.shards[index].shard_id
     try:
         result = asyncio.run(run_shard(plan, index, app_dir=Path(app_dir) if app_dir else None))

@@ -38,6 +38,7 @@ from pathlib import Path
 import click
 
 from streamkit.app.config import AppConfig, load_config
+from streamkit.app.gc_tuning import tune_for_throughput
 from streamkit.app.layout import check_layout
 from streamkit.app.member import Member, MemberOptions, deploy
 from streamkit.app.replica import STOP_TIMEOUT
@@ -102,6 +103,7 @@ async def _member(config: AppConfig, app_class: type, client: BrokerClient, keys
     as the stop begins)."""
     from streamkit.app.member_apis import serve_member_apis
 
+    tune_for_throughput()  # this process consumes in bulk from here on
     options = MemberOptions(work_dir=config.data_dir / "shards" / suffix, suffix=suffix,
                             zone=zone, file_root=broker_file_root, lease_ttl=lease_ttl)
     member = Member(config, app_class, client, keyspace, options)
