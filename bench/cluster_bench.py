@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import report  # noqa: E402
-from bench.wordcount_bench import heads, lines_file, publish_lines  # noqa: E402
+from bench.wordcount_bench import failover, heads, lines_file, publish_lines  # noqa: E402
 from streamkit.app.member import deploy  # noqa: E402
 from tests.brokerproc import BrokerProcess  # noqa: E402
 from tests.e2e import AppView, copy_wordcount, eventually, serve_app  # noqa: E402
@@ -53,46 +53,6 @@ async def _processed(view: AppView, wanted: dict[str, int]) -> bool:
         if any(stat.read_through.get(j, 0) < wanted.get(j, 0) for j in view.sources_of(shard)):
             return False
     return True
-
-
-async def failover(etcd: EtcdServer, broker: BrokerProcess, tmp: Path, lines: list[str],
-                   rounds: int) -> dict[str, Any]:
-    keyspace = etcd.url(f"bench-{uuid.uuid4().hex[:8]}/")
-    app = copy_wordcount(tmp / "failover", standbys=1)
-    names = ("mem-a", "mem-b")
-    times: list[float] = []
-    members = {}
-    async with AppView(app, broker.address, keyspace=keyspace) as view:
-        await view.state()
-        await deploy(view.config, view.client, view.keyspace)
-        await publish_lines(view.client, view.config, lines, 0)
-        for name in names:
-            members[name] = serve_app(app, broker.address, name, tmp / f"serve-{name}.log",
-                                      "--keyspace", keyspace)
-        try:
-            for round_ in range(rounds):
-                await eventually(view.balanced if round_ else view.standing_by, 120,
-                                 "a primary and a standby per shard")
-                await view.wait_caught_up(120)
-                by_member = await view.primaries_by_member()
-                victim = max(by_member, key=lambda m: len(by_member[m]))
-                survivor = names[1] if victim == names[0] else names[0]
-                killed = time.monotonic()
-                members[victim].kill()
-                await eventually(functools.partial(view.served_by, by_member[victim], survivor),
-                                 30, "the survivor to serve", interval=0.01)
-                times.append(time.monotonic() - killed)
-                print(f"round {round_}: {len(by_member[victim])} shards in {times[-1]:.2f}s",
-                      file=sys.stderr)
-                members[victim] = serve_app(app, broker.address, victim,
-                                            tmp / f"serve-{victim}-{round_}.log",
-                                            "--keyspace", keyspace)
-        finally:
-            for proc in members.values():
-                proc.stop()
-    times.sort()
-    return {"rounds": rounds, "state_lines": len(lines), "min_s": round(times[0], 2),
-            "median_s": round(times[len(times) // 2], 2), "max_s": round(times[-1], 2)}
 
 
 async def throughput(etcd: EtcdServer, broker: BrokerProcess, tmp: Path, lines: list[str],
@@ -142,7 +102,8 @@ def main() -> None:
                 broker = BrokerProcess(tmp / "broker-failover", extra_args=[
                     "--keyspace", etcd.url("broker-failover/")]).start()
                 try:
-                    results = asyncio.run(failover(etcd, broker, tmp, lines, args.failover))
+                    results = asyncio.run(failover(broker, tmp, lines, args.failover,
+                                                   etcd.url(f"bench-{uuid.uuid4().hex[:8]}/")))
                 finally:
                     broker.kill()
                 report({"bench": "failover, etcd KeySpace", **results,

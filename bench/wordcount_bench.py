@@ -184,22 +184,25 @@ async def end_to_end_latency(client: BrokerClient, config: Any, resolver: Resolv
             "p99_ms": round(1000 * times[min(len(times) - 1, int(len(times) * 0.99))], 1)}
 
 
-async def failover(broker: BrokerProcess, tmp: Path, lines: list[str], rounds: int
-                   ) -> dict[str, Any]:
+async def failover(broker: BrokerProcess, tmp: Path, lines: list[str], rounds: int,
+                   keyspace: str | None = None) -> dict[str, Any]:
     """Two `streamkit serve` members with a hot standby per shard: SIGKILL the member
     holding the most primaries, time until the other serves its shards (PRIMARY, and
-    answering Stat and a query), bring it back, repeat."""
+    answering Stat and a query), bring it back, repeat. `keyspace`: a KeySpace URL the
+    members share (etcd://…; default: the app's SQLite file)."""
     from tests.e2e import AppView, copy_wordcount, eventually, serve_app
 
     app = copy_wordcount(tmp / "failover", standbys=1)
-    times = []
+    extra = ("--keyspace", keyspace) if keyspace else ()
+    times: list[float] = []
     members = {}
-    async with AppView(app, broker.address) as view:
+    async with AppView(app, broker.address, keyspace=keyspace) as view:
         await view.state()
         await deploy(view.config, view.client, view.keyspace)
         await publish_lines(view.client, view.config, lines, 0)
         for name in ("mem-a", "mem-b"):
-            members[name] = serve_app(app, broker.address, name, tmp / f"serve-{name}.log")
+            members[name] = serve_app(app, broker.address, name, tmp / f"serve-{name}.log",
+                                      *extra)
         try:
             for round_ in range(rounds):
                 await eventually(view.balanced if round_ else view.standing_by, 120,
@@ -214,8 +217,10 @@ async def failover(broker: BrokerProcess, tmp: Path, lines: list[str], rounds: i
                 await eventually(functools.partial(view.served_by, moved, survivor), 30,
                                  "the survivor to serve", interval=0.01)
                 times.append(time.monotonic() - killed)
+                print(f"round {round_}: {len(moved)} shards in {times[-1]:.2f}s",
+                      file=sys.stderr)
                 members[victim] = serve_app(app, broker.address, victim,
-                                            tmp / f"serve-{victim}-{round_}.log")
+                                            tmp / f"serve-{victim}-{round_}.log", *extra)
         finally:
             for proc in members.values():
                 proc.stop()
