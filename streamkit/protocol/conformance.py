@@ -171,34 +171,33 @@ def _url_parts(text: str) -> Any:
 
 def url_problem(text: str) -> str | None:
     """Why ``text`` does not parse as a URL (relative ones included), or None."""
+    return _absolute_url(text, require_scheme=False)[1]
+
+
+def _absolute_url(text: str, require_scheme: bool = True) -> tuple[Any, str | None]:
+    """(the parsed URL, None), or (None, why ``text`` isn't a URL with a scheme)."""
     try:
-        _url_parts(text)
+        parts = _url_parts(text)
     except ValueError as err:
-        return f"not a URL: {err} ({text!r})"
-    return None
+        return None, f"not a URL: {err} ({text!r})"
+    if require_scheme and not parts.scheme:
+        return None, f"must be an absolute URL, with a scheme ({text!r})"
+    return parts, None
 
 
 def endpoint_problem(endpoint: str) -> str | None:
     """Why ``endpoint`` is not an absolute URL with a host, as a route endpoint must be."""
-    try:
-        parts = _url_parts(endpoint)
-    except ValueError as err:
-        return f"not a URL: {err} ({endpoint!r})"
-    if not parts.scheme:
-        return f"must be an absolute URL, like grpc://host:port ({endpoint!r})"
-    if not parts.netloc:
+    parts, problem = _absolute_url(endpoint)
+    if problem is None and not parts.netloc:
         return f"must name a host ({endpoint!r})"
-    return None
+    return problem
 
 
 def store_problem(store: str) -> str | None:
     """Why ``store`` is not a fragment store URL: s3/gs/azure with a bucket, or file:///."""
-    try:
-        parts = _url_parts(store)
-    except ValueError as err:
-        return f"not a URL: {err} ({store!r})"
-    if not parts.scheme:
-        return f"must be an absolute URL ({store!r})"
+    parts, problem = _absolute_url(store)
+    if problem is not None:
+        return problem
     if parts.scheme in OBJECT_STORE_SCHEMES:
         if not parts.netloc:
             return f"must name a bucket ({store!r})"
