@@ -45,12 +45,18 @@ from tests.test_shard_api import (
 Code = consumer_pb.ReplicaStatus.Code
 
 
-def make_app(folder: Path, shards: int = 2) -> AppConfig:
-    """An app folder with streamkit.yaml and the KeySpace `streamkit run` would have made."""
+def app_folder(folder: Path, shards: int = 2) -> AppConfig:
+    """An app folder with streamkit.yaml and an empty data folder."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "streamkit.yaml").write_text(yaml.safe_dump(app_document(app_name(), shards)))
     config = load_config(folder)
     config.data_dir.mkdir()
+    return config
+
+
+def make_app(folder: Path, shards: int = 2) -> AppConfig:
+    """An app folder with streamkit.yaml and the KeySpace `streamkit run` would have made."""
+    config = app_folder(folder, shards)
 
     async def seed() -> None:
         async with open_keyspace(str(config.data_dir / "keyspace.db")) as keyspace:
@@ -303,10 +309,7 @@ async def _cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str,
 
 async def test_stat_asks_the_running_primary(shared_broker: Any, tmp_path: Path) -> None:
     folder = tmp_path / "app"
-    folder.mkdir()
-    (folder / "streamkit.yaml").write_text(yaml.safe_dump(app_document(app_name(), 1)))
-    config = load_config(folder)
-    config.data_dir.mkdir()
+    config = app_folder(folder, 1)
     path = config.data_dir / "keyspace.db"
     where = ["--app", str(folder)]
     async with BrokerClient(shared_broker.address) as client:
@@ -342,10 +345,7 @@ async def test_consumer_address_reaches_shards_through_a_member(shared_broker: A
     """--consumer (or gazctl's $CONSUMER_ADDRESS): every command through one member's Shard
     API, without the app's folder or KeySpace, as gazctl works."""
     folder = tmp_path / "app"
-    folder.mkdir()
-    (folder / "streamkit.yaml").write_text(yaml.safe_dump(app_document(app_name(), 2)))
-    config = load_config(folder)
-    config.data_dir.mkdir()
+    config = app_folder(folder, 2)
     path = config.data_dir / "keyspace.db"
     elsewhere = ["--app", str(tmp_path / "no-app-here")]  # nothing is found through it
     async with BrokerClient(shared_broker.address) as client:
