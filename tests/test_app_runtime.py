@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from google.protobuf.duration_pb2 import Duration
 
-from streamkit.app.application import Application
+from streamkit.app.application import Application, batch_hook
 from streamkit.app.replica import Runtime
 from streamkit.app.service import Service
 from streamkit.app.store_kinds import build_store
@@ -153,8 +153,9 @@ async def _wait_processed(service: Service, client: BrokerClient, inputs: list[s
         assert replica.shard.progress.covers(wanted)
 
 
-@pytest.mark.parametrize("kind", ["rocksdb", "json", "sqlite"])
+@pytest.mark.parametrize("kind", ["rocksdb", "json", "sqlite", "batch"])
 async def test_counts_exact_across_restarts(shared_broker: Any, tmp_path: Path, kind: str) -> None:
+    """Also with a batch hook (`consume_messages`), which must get the lines in lists."""
     words = [f"w{i}" for i in range(50)]
     batches = [[" ".join(words[(b * 7 + i * 3 + k) % 50] for k in range(1 + i % 5))
                 for i in range(300)] for b in range(3)]
@@ -167,11 +168,14 @@ async def test_counts_exact_across_restarts(shared_broker: Any, tmp_path: Path, 
         for batch in batches:  # each round: publish, run a fresh service, stop it gracefully
             await _publish_lines(client, journals["inputs"], batch)
             published += batch
-            service = Service(_runtime(app, client, tmp_path, journals["outputs"], kind))
+            store = "rocksdb" if kind == "batch" else kind
+            service = Service(_runtime(app, client, tmp_path, journals["outputs"], store))
             await service.assign(specs, {sid: 0 for sid in specs})
             await _wait_processed(service, client, journals["inputs"])
             await service.stop()
         assert await _read_counts(client, journals["outputs"]) == _expected(published)
+    if kind == "batch":
+        assert BatchWordCount.largest > 1
 
 
 class Poisoned(WordCount):
@@ -190,7 +194,19 @@ class JSONWordCount(WordCount):
         self.deltas.clear()
 
 
-APPS = {"rocksdb": "WordCount", "json": "JSONWordCount", "sqlite": "SQLiteWordCount"}
+class BatchWordCount(WordCount):
+    """The same counts through the batch hook; it remembers the largest list it got."""
+
+    largest = 0
+
+    def consume_messages(self, shard: Any, store: Any, envelopes: Any, publisher: Any) -> None:
+        BatchWordCount.largest = max(BatchWordCount.largest, len(envelopes))
+        for envelope in envelopes:
+            self.consume_message(shard, store, envelope, publisher)
+
+
+APPS = {"rocksdb": "WordCount", "json": "JSONWordCount", "sqlite": "SQLiteWordCount",
+        "batch": "BatchWordCount"}
 
 
 class SQLiteWordCount(WordCount):
@@ -224,6 +240,47 @@ async def test_raising_application_fails_only_its_shard(shared_broker: Any, tmp_
         assert service.replicas["shard-001"].status.code == Code.PRIMARY
         assert await service.replicas["shard-001"].query({"word": "fine"}) == 1
         await service.stop()
+
+
+class BatchPoisoned(BatchWordCount):
+    def consume_messages(self, shard: Any, store: Any, envelopes: Any, publisher: Any) -> None:
+        if any("poison" in e.message["line"] for e in envelopes):
+            raise ValueError("cannot count a poisoned list")
+        super().consume_messages(shard, store, envelopes, publisher)
+
+
+async def test_a_raising_batch_hook_fails_its_transaction(shared_broker: Any,
+                                                          tmp_path: Path) -> None:
+    """Nothing of the list is passed over: the shard fails naming the batch hook."""
+    async with BrokerClient(shared_broker.address) as client:
+        base = unique_name("app")
+        journals = await _journals(client, base, 1)
+        specs = _specs(base, journals["inputs"])
+        service = Service(_runtime(BatchPoisoned, client, tmp_path, journals["outputs"]))
+        await service.assign(specs, {sid: 0 for sid in specs})
+        await _publish_lines(client, journals["inputs"], ["fine words", "poison pill"])
+        await eventually(lambda: service.replicas["shard-000"].status.code == Code.FAILED)
+        error = service.replicas["shard-000"].status.errors[0]
+        assert "at consume_messages: ValueError: cannot count a poisoned list" in error
+        await service.stop()
+
+
+def test_the_batch_hook_is_used_only_where_it_is_the_latest_word() -> None:
+    """A subclass that changes just consume_message must not be bypassed by the batch
+    hook it inherited; one that overrides both gets its batch hook."""
+
+    class OnlyEach(BatchWordCount):
+        def consume_message(self, *args: Any) -> None:
+            super().consume_message(*args)
+
+    class Both(OnlyEach):
+        def consume_messages(self, *args: Any) -> None:
+            super().consume_messages(*args)
+
+    assert batch_hook(WordCount()) is None
+    assert batch_hook(BatchWordCount()).__func__ is BatchWordCount.consume_messages
+    assert batch_hook(OnlyEach()) is None
+    assert batch_hook(Both()).__func__ is Both.consume_messages
 
 
 async def _wait_processed_one(replica: Any, client: BrokerClient, journal: str) -> None:

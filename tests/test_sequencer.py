@@ -577,3 +577,61 @@ def test_read_committed_matches_model(actions: list[tuple[str, int, int]], n_pro
                                       deliver_acks: bool) -> None:
     journal, expected = build_history(actions, n_producers)
     assert read_committed(journal, buffer, cuts, batch, deliver_acks) == expected
+
+
+# --- the bulk path: commit_run is queueing and dequeuing one by one -----------------
+
+
+def sequence(journal: list[Envelope], run_limit: int) -> tuple[list[int], Sequencer]:
+    """Read `journal` committed (no replays: a large ring), in runs of at most `run_limit`
+    through `commit_run` (0: one by one only); the ids read and the Sequencer."""
+    seq = Sequencer(buffer=1000, deliver_acks=True)
+    out: list[int] = []
+    index = 0
+    while index < len(journal):
+        if run_limit:
+            end = seq.commit_run(journal, index, min(len(journal), index + run_limit))
+            out += [e.message["id"] for e in journal[index:end]]
+            if end > index:
+                index = end
+                continue
+        seq.queue_uncommitted(journal[index])
+        index += 1
+        out += [e.message["id"] for e in drain(seq) if not e.message.get("ack")]
+    return out, seq
+
+
+# Mostly committed messages, as a catch-up reads them, with the other kinds among them.
+BULK_KINDS = ["outside"] * 8 + ["continue", "ack", "dup", "restart"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(actions=st.lists(st.tuples(st.sampled_from(BULK_KINDS), st.integers(0, 2),
+                                  st.integers(0, 1000)), min_size=5, max_size=150),
+       n_producers=st.integers(1, 3), run_limit=st.integers(1, 40))
+def test_commit_run_matches_one_by_one(actions: list[tuple[str, int, int]], n_producers: int,
+                                       run_limit: int) -> None:
+    journal, expected = build_history(actions, n_producers)
+    bulk, bulk_seq = sequence(journal, run_limit)
+    single, single_seq = sequence(journal, 0)
+    assert bulk == single == expected
+    assert bulk_seq.offsets == single_seq.offsets
+    assert by_producer(bulk_seq.checkpoint()) == by_producer(single_seq.checkpoint())
+
+
+def test_commit_run_stops_where_the_per_message_path_is_needed(AB: tuple[bytes, bytes]) -> None:
+    A, _ = AB
+    gen = Gen()
+    a1, a2, dup, plain, a3 = gen(A, 10, OUT), gen(A, 11, OUT), gen(A, 11, OUT), gen.plain(), \
+        gen(A, 12, OUT)
+    seq = Sequencer()
+    journal = [a1, a2, dup, plain, a3]
+    assert seq.commit_run(journal, 0, 5) == 2  # the duplicate needs queue_uncommitted
+    assert seq.offset(JOURNAL) == a2.end
+    assert seq.queue_uncommitted(dup) == Q.OUTSIDE_ALREADY_ACKED
+    assert seq.commit_run(journal, 3, 5) == 3  # no UUID: the per-message path
+    assert seq.queue_uncommitted(plain) == Q.OUTSIDE_COMMIT
+    with pytest.raises(RuntimeError):
+        seq.commit_run(journal, 4, 5)
+    assert drain(seq) == [plain]
+    assert seq.commit_run(journal, 4, 5) == 5 and seq.offset(JOURNAL) == a3.end

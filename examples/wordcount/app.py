@@ -9,16 +9,17 @@ running count. State and published updates commit together, exactly once.
 The total for a word is the sum over shards: `query` answers a shard's count,
 and `combine_answers` sums what every shard answered (`streamkit query`).
 Each store kind works; only the state access differs.
+
+`consume_message` is all an app needs; `consume_messages` is the optional
+batch form of the same work, which streamkit calls instead when an app has
+it (one Python call per list of lines: about twice the lines per second).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from functools import cache
 from typing import Any
-
-from sqlalchemy import Column, Integer, MetaData, String, Table, text
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import IntegrityError
 
 import streamkit
 
@@ -35,6 +36,9 @@ class WordCount(streamkit.Application):
 
     def consume_message(self, shard, store, envelope, publisher) -> None:
         self.counts.update(envelope.message["line"].split())
+
+    def consume_messages(self, shard, store, envelopes, publisher) -> None:
+        self.counts.update(" ".join([e.message["line"] for e in envelopes]).split())
 
     async def finalize_txn(self, shard, store, publisher) -> None:
         totals = await counts_of(store).add(self.counts)
@@ -110,6 +114,8 @@ class SQLCounts(Counts):
     """
 
     async def get(self, word: str) -> int:
+        from sqlalchemy import text
+
         def select(conn: Any) -> int:
             row = conn.execute(text("SELECT n FROM wordcount WHERE shard = :s AND word = :w"),
                                {"s": self.store.shard_fqn, "w": word}).fetchone()
@@ -118,7 +124,9 @@ class SQLCounts(Counts):
         return await self.store.run(select)
 
     async def add(self, deltas: Counter[str]) -> dict[str, int]:
-        shard = self.store.shard_fqn
+        from sqlalchemy.dialects import postgresql, sqlite
+
+        shard, table = self.store.shard_fqn, wordcount_table()
         rows = [{"shard": shard, "word": w, "n": n} for w, n in deltas.items()]
 
         def upsert(conn: Any) -> dict[str, int]:
@@ -126,22 +134,32 @@ class SQLCounts(Counts):
             insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
             totals: dict[str, int] = {}
             for start in range(0, len(rows), _CHUNK):
-                stmt = insert(WORDCOUNT).values(rows[start:start + _CHUNK])
+                stmt = insert(table).values(rows[start:start + _CHUNK])
                 stmt = stmt.on_conflict_do_update(
-                    index_elements=["shard", "word"], set_={"n": WORDCOUNT.c.n + stmt.excluded.n})
-                totals.update(conn.execute(stmt.returning(WORDCOUNT.c.word, WORDCOUNT.c.n)).all())
+                    index_elements=["shard", "word"], set_={"n": table.c.n + stmt.excluded.n})
+                totals.update(conn.execute(stmt.returning(table.c.word, table.c.n)).all())
             return totals
 
         return await self.store.run(upsert) if rows else {}
 
 
 _CHUNK = 2000  # rows per statement: 3 parameters each, well under the drivers' limits
-WORDCOUNT = Table("wordcount", MetaData(), Column("shard", String, primary_key=True),
-                  Column("word", String, primary_key=True), Column("n", Integer))
+
+
+@cache
+def wordcount_table() -> Any:
+    """The SQL table (sqlalchemy is imported only by apps that use an SQL store)."""
+    from sqlalchemy import Column, Integer, MetaData, String, Table
+
+    return Table("wordcount", MetaData(), Column("shard", String, primary_key=True),
+                 Column("word", String, primary_key=True), Column("n", Integer))
 
 
 def create_table(engine: Any) -> None:
     """Create the table once, in a transaction of its own (not a consumer transaction)."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import IntegrityError
+
     ddl = text("CREATE TABLE IF NOT EXISTS wordcount (shard TEXT, word TEXT, n INT,"
                " PRIMARY KEY (shard, word))")
     try:

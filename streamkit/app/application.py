@@ -9,6 +9,11 @@ consumer transaction at a time:
 Each shard gets an Application instance of its own, so attributes (say, a
 dict of counts accumulated during a transaction) are per shard.
 
+For speed, an application may also implement `consume_messages`, which gets
+a list of committed messages at once (up to a few thousand, all of one
+transaction). When a class overrides it, the runtime calls it instead of
+`consume_message` (see its docstring for what changes).
+
 Hooks may be plain methods or coroutines (`async def`). Plain methods are
 cheaper per call and right for most work; a coroutine suits hooks that await
 I/O, such as `SQLStore.run`.
@@ -106,6 +111,23 @@ class Application:
         """Apply one committed source message to the store; publish what follows from it."""
         raise NotImplementedError(f"{type(self).__name__} must implement consume_message")
 
+    def consume_messages(
+        self, shard: Shard, store: Store, envelopes: list[Envelope], publisher: ShardPublisher
+    ) -> Any:
+        """Optional, for speed: apply several committed source messages at once, in order.
+
+        Overriding it makes the runtime hand over committed messages in lists
+        (one Python call per list instead of per message), within the same
+        transactions and with the same exactly-once outcome. If it raises, the
+        transaction fails as a whole: the runtime can't tell which message
+        was at fault, so sources whose `on_consume_error` is skip or
+        dead-letter get `consume_message`, one message at a time, instead.
+        Frames that don't decode never reach it (their policy applies as usual).
+        The runtime calls it only where a class overrides it (and no subclass
+        overrides just `consume_message`).
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no consume_messages")
+
     def finalize_txn(self, shard: Shard, store: Store, publisher: ShardPublisher) -> Any:
         """Called once a transaction has consumed its last message, before it commits.
 
@@ -130,3 +152,23 @@ class Application:
         key; the default returns the answers as they are.
         """
         return answers
+
+
+def batch_hook(app: Application) -> Any:
+    """The app's `consume_messages` if its class overrides the default; else None.
+
+    Not when a subclass overrode only `consume_message`: its change must not be
+    bypassed by the batch hook it inherited.
+    """
+    batch_class = _defining(type(app), "consume_messages")
+    if batch_class is Application:
+        return None
+    each_class = _defining(type(app), "consume_message")
+    if each_class is not batch_class and issubclass(each_class, batch_class):
+        return None
+    return app.consume_messages
+
+
+def _defining(cls: type, name: str) -> type:
+    """The class of `cls`'s MRO whose body defines attribute `name`."""
+    return next(k for k in cls.__mro__ if name in vars(k))

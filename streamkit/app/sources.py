@@ -93,6 +93,23 @@ class SourceInput:
 
     # --- the consuming side -------------------------------------------------------
 
+    def poll_run(self, limit: int) -> list[Envelope]:
+        """Up to `limit` committed envelopes from what is buffered; [] when I/O is needed.
+
+        A run of messages that commit alone (a catch-up of committed input)
+        comes out as one list, sequenced in bulk (`Sequencer.commit_run`);
+        anything else comes out one envelope at a time, as `poll` gives it.
+        All of them count as consumed.
+        """
+        if self._replay is None and self.sequencer.idle and self._next_batch():
+            batch, pos = self._batch, self._pos
+            end = self.sequencer.commit_run(batch, pos, min(len(batch), pos + limit))
+            if end > pos:
+                self._pos = end
+                return batch if pos == 0 and end == len(batch) else batch[pos:end]
+        env = self.poll()
+        return [] if env is None else [env]
+
     def poll(self) -> Envelope | None:
         """The next committed envelope from what is buffered; None when I/O is needed."""
         seq = self.sequencer
@@ -102,19 +119,25 @@ class SourceInput:
                 return env
             if self._replay is not None:
                 return None
-            if self._pos == len(self._batch):
-                if not self._queue:
-                    if self._error is not None:
-                        raise self._error
-                    self._ready.clear()
-                    return None
-                self._batch, self._pos = self._queue.popleft(), 0
-                self._room.set()
-                continue
+            if not self._next_batch():
+                return None
             env = self._batch[self._pos]
             self._pos += 1
             if seq.queue_uncommitted(env) is _REPLAY:
                 self._start_replay()
+
+    def _next_batch(self) -> bool:
+        """Whether envelopes remain in the current batch, taking the next one if need be."""
+        if self._pos < len(self._batch):
+            return True
+        if not self._queue:
+            if self._error is not None:
+                raise self._error
+            self._ready.clear()
+            return False
+        self._batch, self._pos = self._queue.popleft(), 0
+        self._room.set()
+        return True
 
     @property
     def ready(self) -> bool:

@@ -50,7 +50,7 @@ from typing import Any
 
 import orjson
 
-from streamkit.app.application import Application
+from streamkit.app.application import Application, batch_hook
 from streamkit.app.checkpoints import build_checkpoint
 from streamkit.app.config import (
     DEAD_LETTER,
@@ -90,6 +90,9 @@ _YIELD_EVERY = 256  # messages consumed between yields to the event loop (reads,
 # Messages consumed between looks at the clock and at a stop request: often enough that a
 # slow application's transactions still end near max_duration.
 _CHECK_EVERY = 16
+# At most this many messages go to one call of a batch hook (consume_messages); the clock
+# and a stop request are looked at between calls.
+_BATCH = 2048
 _YIELD_AFTER = 0.02  # seconds of consuming after which the loop yields regardless of count
 
 
@@ -152,6 +155,11 @@ class PoisonPolicies:
         """The policy (`label`: ON_UNDECODABLE_LABEL or ON_CONSUME_ERROR_LABEL) of a journal."""
         return self._by_topic.get((label, journal.rpartition("/")[0]), FAIL)
 
+    @property
+    def passes_over_consume_errors(self) -> bool:
+        """Whether some source skips or dead-letters a message consume_message raised on."""
+        return any(label == ON_CONSUME_ERROR_LABEL for label, _ in self._by_topic)
+
 
 def _as_json(message: MessageLike) -> Any:
     """A decoded message as JSON (as the JSON framing would write it), for a dead letter."""
@@ -168,7 +176,7 @@ class TransactionFailed(StreamkitError):
 
     `phase` says where, so an operator knows whose error it is: "read" (the
     shard's input, including a poison frame it can't pass over), an
-    application hook ("begin_txn", "consume_message", "finalize_txn",
+    application hook ("begin_txn", "consume_message" or "consume_messages", "finalize_txn",
     "finished_txn"), "commit" (checkpointing and the store's commit) or "ack"
     (appending the transaction's ACKs). `reason` is the message without the shard.
     """
@@ -233,9 +241,16 @@ class TransactionLoop:
         self.min_duration = spec.min_txn_duration.ToTimedelta().total_seconds()
         self.wait_for_ack = not spec.disable_wait_for_ack
         self.metrics = SHARD_METRICS.labels_for(shard.id)
-        self._async_consume = inspect.iscoroutinefunction(app.consume_message)
-        self.hooks.consume_async = self._async_consume
         self.policies = PoisonPolicies(spec)
+        self._async_consume = inspect.iscoroutinefunction(app.consume_message)
+        # The batch hook, unless the app has none or a source's policy needs to know which
+        # message raised (then consume_message it is, one message at a time).
+        batch = None if self.policies.passes_over_consume_errors else batch_hook(app)
+        self._batch = batch
+        self._async_batch = batch is not None and inspect.iscoroutinefunction(batch)
+        self._run_limit = _CHECK_EVERY if batch is None else _BATCH
+        self.hooks.consume_hook = "consume_message" if batch is None else "consume_messages"
+        self.hooks.consume_async = self._async_consume if batch is None else self._async_batch
         dead_letters = self.policies.dead_letters
         self._to_dead_letters = lambda _message: (dead_letters, NDJSON)
         self._begin_txn = self._marked("begin_txn")
@@ -298,17 +313,17 @@ class TransactionLoop:
 
     # --- steps ---------------------------------------------------------------------
 
-    async def _first_message(self, stopping: asyncio.Event) -> Envelope | None:
-        """Wait for the next transaction's first message; None once stopping."""
+    async def _first_message(self, stopping: asyncio.Event) -> list[Envelope] | None:
+        """Wait for the next transaction's first message(s); None once stopping."""
         source = self.source
         self._phase = "read"
         while True:
             self._check_previous()
             if stopping.is_set():  # input may never run out: don't start another transaction
                 return None
-            env = source.poll()
-            if env is not None:
-                return env
+            run = source.poll_run(self._run_limit)
+            if run:
+                return run
             if not source.ready:
                 waits: list[Awaitable[Any]] = [source.wait_ready(), stopping.wait()]
                 if self._previous is not None:
@@ -317,15 +332,15 @@ class TransactionLoop:
             else:
                 await source.fill()
 
-    async def _transaction(self, env: Envelope | None, stopping: asyncio.Event) -> None:
-        """One transaction, from its first message `env` until its commit started."""
+    async def _transaction(self, run: list[Envelope], stopping: asyncio.Event) -> None:
+        """One transaction, from its first message(s) `run` until its commit started."""
         await self._begin()
-        source, poll = self.source, self.source.poll
+        source, poll_run, limit = self.source, self.source.poll_run, self._run_limit
         min_duration, max_duration = self.min_duration, self.max_duration
         count = 0
         while True:
-            if env is not None:
-                count, close = await self._consume_ready(env, count, stopping)
+            if run:
+                count, close = await self._consume_ready(run, count, stopping)
                 if close:
                     break
             # Nothing at hand: close, or wait for what may change that.
@@ -348,7 +363,7 @@ class TransactionLoop:
             ):
                 break
             await self._wait_for_more(elapsed, committing, stopping)
-            env = poll()
+            run = poll_run(limit)
         await self._await_previous_commit()
         self.metrics.consumed.observe(self.clock.now() - self._started)
         self.metrics.messages.inc(count - self._skipped)
@@ -364,21 +379,50 @@ class TransactionLoop:
         self.publisher.publisher.clock.update()
 
     async def _consume_ready(
-        self, env: Envelope | None, count: int, stopping: asyncio.Event
+        self, run: list[Envelope], count: int, stopping: asyncio.Event
     ) -> tuple[int, bool]:
-        """Consume `env` and the messages buffered after it, until none is or `must_close`.
+        """Consume `run` and the messages buffered after it, until none is or `must_close`.
 
         Returns the transaction's message count so far, and whether it must
-        close. The per-message path: the clock and the stop request are
-        looked at every _CHECK_EVERY messages only, and nothing else is called.
+        close. Runs are at most _CHECK_EVERY messages for consume_message and
+        _BATCH for a batch hook: the clock and the stop request are looked at
+        between runs, and nothing else is called per message.
         """
-        shard, store, publisher, hooks = self.shard, self.store, self.publisher, self.hooks
-        consume, poll, now = self.app.consume_message, self.source.poll, self.clock.now
-        async_consume, started = self._async_consume, self._started
+        poll_run, limit, now = self.source.poll_run, self._run_limit, self.clock.now
+        started, next_yield = self._started, count + _YIELD_EVERY
         min_duration, max_duration = self.min_duration, self.max_duration
-        self._phase = "read"  # what fails outside consume_message is the input (poll)
-        while env is not None:
-            count += 1
+        self._phase = "read"  # what fails outside the consume hooks is the input (poll)
+        while run:
+            if self._batch is not None and type(run[0].message) is not BadFrame:
+                await self._consume_batch(run)
+            else:
+                await self._consume_each(run)
+            count += len(run)
+            t = now()
+            if count >= next_yield or t - self._yielded > _YIELD_AFTER:
+                # Yield by count and by time: a slow application must not starve
+                # reads, commits, other shards, or the member's lease keepalive.
+                await asyncio.sleep(0)
+                self._yielded, next_yield = t, count + _YIELD_EVERY
+            # With a message at hand only the max duration and a stop request close.
+            if must_close(
+                t - started,
+                min_duration,
+                max_duration,
+                stopping=stopping.is_set(),
+                ready=True,
+                committing=False,
+                acks_pending=False,
+            ):
+                return count, True
+            run = poll_run(limit)
+        return count, False
+
+    async def _consume_each(self, run: list[Envelope]) -> None:
+        """consume_message for each envelope of `run`, passing over poison ones by policy."""
+        shard, store, publisher, hooks = self.shard, self.store, self.publisher, self.hooks
+        consume, async_consume = self.app.consume_message, self._async_consume
+        for env in run:
             hooks.current = env  # the watchdog's mark: consuming this message
             try:
                 if type(env.message) is BadFrame:
@@ -391,26 +435,21 @@ class TransactionLoop:
                 self._pass_over_or_fail(env, error)
             finally:
                 hooks.current = None
-            if count % _CHECK_EVERY == 0:
-                t = now()
-                if count % _YIELD_EVERY == 0 or t - self._yielded > _YIELD_AFTER:
-                    # Yield by count and by time: a slow application must not starve
-                    # reads, commits, other shards, or the member's lease keepalive.
-                    await asyncio.sleep(0)
-                    self._yielded = t
-                # With a message at hand only the max duration and a stop request close.
-                if must_close(
-                    t - started,
-                    min_duration,
-                    max_duration,
-                    stopping=stopping.is_set(),
-                    ready=True,
-                    committing=False,
-                    acks_pending=False,
-                ):
-                    return count, True
-            env = poll()
-        return count, False
+
+    async def _consume_batch(self, run: list[Envelope]) -> None:
+        """The batch hook over `run`; if it raises, the transaction fails (nothing is skipped)."""
+        hooks = self.hooks
+        hooks.current = run[0]  # the watchdog's mark: consuming from this message on
+        try:
+            if self._async_batch:
+                await self._batch(self.shard, self.store, run, self.publisher)
+            else:
+                self._batch(self.shard, self.store, run, self.publisher)
+        except Exception as error:
+            raise TransactionFailed(self.shard.id, self._number, "consume_messages", error
+                                    ) from error
+        finally:
+            hooks.current = None
 
     async def _wait_for_more(
         self, elapsed: float, committing: bool, stopping: asyncio.Event

@@ -59,14 +59,15 @@ class HookCall:
 
 class HookRecord:
     """What hook a shard runs right now: `current` is a HookCall, the message being
-    consumed (consume_message: only the envelope is set, to keep its cost at one
-    attribute), or None between hooks."""
+    consumed (by `consume_hook`: only the envelope is set, to keep its cost at one
+    attribute; a batch hook's first), or None between hooks."""
 
-    __slots__ = ("consume_async", "current", "shard", "task", "thread")
+    __slots__ = ("consume_async", "consume_hook", "current", "shard", "task", "thread")
 
     def __init__(self, shard: str) -> None:
         self.shard = shard
         self.current: object = None
+        self.consume_hook = "consume_message"  # or "consume_messages", the batch hook
         self.consume_async = False
         self.task: asyncio.Task[Any] | None = None  # the transaction loop's, for consume
         self.thread = threading.get_ident()
@@ -79,7 +80,7 @@ class HookRecord:
         """(hook, is_async, task, thread) of what `current` was."""
         if isinstance(token, HookCall):
             return token.hook, token.is_async, token.task, token.thread
-        return "consume_message", self.consume_async, self.task, self.thread
+        return self.consume_hook, self.consume_async, self.task, self.thread
 
 
 class _Marking:

@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from streamkit.app.application import Application
+from streamkit.app.application import Application, batch_hook
 from streamkit.app.checkpoints import build_checkpoint, producer_states, start_offsets
 from streamkit.app.config import AppConfig
 from streamkit.app.gc_tuning import tune_for_throughput
@@ -75,7 +75,7 @@ log = logging.getLogger(__name__)
 _SINGLE = QueueOutcome.OUTSIDE_COMMIT
 _SPAN = QueueOutcome.ACK_COMMIT_RING
 _REPLAY = QueueOutcome.ACK_COMMIT_REPLAY
-_CHECK_TIME = 1023  # the clock is read when count & this == 0: every 1024 messages
+_BATCH = 4096  # messages of a committed run consumed between looks at the clock
 
 
 @dataclass
@@ -138,55 +138,58 @@ class TransactionRunner:
         self._finalize = awaitable_hook(app.finalize_txn)
         self._finished = awaitable_hook(app.finished_txn)
         self._async_consume = inspect.iscoroutinefunction(app.consume_message)
+        self._batch = batch_hook(app)
 
     async def run(self, batches: AsyncIterator[list[Envelope]]) -> consumer_pb.Checkpoint:
         """Consume every batch, then commit the last transaction; the final Checkpoint.
 
-        The per-message path: one `queue_uncommitted`, and `dequeue_committed`
-        only when the outcome says something was committed (OUTSIDE_TXN
-        messages, the usual case, commit exactly one envelope: itself).
+        Runs of messages that commit alone (a committed history: OUTSIDE_TXN
+        messages) are sequenced in bulk and consumed as lists; any other
+        envelope takes `queue_uncommitted`, and `dequeue_committed` only when
+        the outcome says something was committed.
         """
         seq = self.sequencer
         queue, dequeue = seq.queue_uncommitted, self._dequeue
-        shard, store, publisher = self.shard, self.store, self.publisher
-        consume = self.app.consume_message
-        plain = not self._async_consume
+        bulk = seq.commit_run if self._sources is None else None  # not when filtering keys
         size = self.txn_size
         clock = time.monotonic
         async for batch in batches:
             count = self._in_txn  # messages of the open transaction (0: none is open)
-            for env in batch:
-                outcome = queue(env)
-                if outcome is _SINGLE:
-                    committed = dequeue()
-                    if committed is None:
-                        continue  # another shard's key
-                    if count == 0:
-                        await self._start_txn()
-                    if plain:
-                        consume(shard, store, committed, publisher)
-                    else:
-                        await consume(shard, store, committed, publisher)
-                    count += 1
-                elif outcome is _SPAN:
-                    committed = dequeue()
-                    while committed is not None:
+            index, length = 0, len(batch)
+            while index < length:
+                if bulk is not None:
+                    end = bulk(batch, index, min(length, index + _BATCH, index + size - count))
+                    if end > index:
                         if count == 0:
                             await self._start_txn()
-                        if plain:
-                            consume(shard, store, committed, publisher)
-                        else:
-                            await consume(shard, store, committed, publisher)
-                        count += 1
-                        committed = dequeue()
-                elif outcome is _REPLAY:
+                        await self._consume(batch if end - index == length else batch[index:end])
+                        count += end - index
+                        index = end
+                        if count >= size or clock() >= self._deadline:
+                            self._in_txn = count
+                            await self.commit()
+                            count = 0
+                        continue
+                env = batch[index]
+                index += 1
+                outcome = queue(env)
+                if outcome is _REPLAY:
                     self._in_txn = count
                     await self._replayed_span()
                     count = self._in_txn
                     continue
-                else:
+                if outcome is not _SINGLE and outcome is not _SPAN:
                     continue  # duplicates, pending and rolled-back messages, bare ACKs
-                if count >= size or (count & _CHECK_TIME == 0 and clock() >= self._deadline):
+                committed = dequeue()
+                if committed is None:
+                    continue  # another shard's key
+                while committed is not None:
+                    if count == 0:
+                        await self._start_txn()
+                    await self._consume([committed])
+                    count += 1
+                    committed = dequeue() if outcome is _SPAN else None
+                if count >= size or clock() >= self._deadline:
                     self._in_txn = count
                     await self.commit()
                     count = 0
@@ -194,6 +197,22 @@ class TransactionRunner:
             await asyncio.sleep(0)  # let the publisher's appends go out
         await self.commit()
         return self.checkpoint
+
+    async def _consume(self, envelopes: list[Envelope]) -> None:
+        """The app's batch hook over `envelopes`, or consume_message for each."""
+        shard, store, publisher = self.shard, self.store, self.publisher
+        if self._batch is not None:
+            result = self._batch(shard, store, envelopes, publisher)
+            if inspect.isawaitable(result):
+                await result
+            return
+        consume = self.app.consume_message
+        if self._async_consume:
+            for env in envelopes:
+                await consume(shard, store, env, publisher)
+        else:
+            for env in envelopes:
+                consume(shard, store, env, publisher)
 
     async def _start_txn(self) -> None:
         self._deadline = time.monotonic() + self.max_duration
@@ -204,16 +223,13 @@ class TransactionRunner:
         """Dequeue a committed span that starts before the ring: read its start again."""
         seq = self.sequencer
         journal, begin, end = seq.replay_range()
-        shard, store, publisher = self.shard, self.store, self.publisher
         async with contextlib.aclosing(self.replay(journal, begin, end)) as batches:
             while True:
                 env = self._dequeue()
                 if env is not None:
                     if self._in_txn == 0:
                         await self._start_txn()
-                    result = self.app.consume_message(shard, store, env, publisher)
-                    if inspect.isawaitable(result):
-                        await result
+                    await self._consume([env])
                     self._in_txn += 1
                 elif seq.awaiting_replay:
                     batch = await anext(batches, None)
