@@ -1,6 +1,7 @@
 """Streamkit's wordcount beside Bytewax's, on the same file, in the same run.
 
-    python bench/peers.py [--lines 1000000] [--rounds 2] [--workers 1,2] [--json]
+    python bench/peers.py [--lines 1000000] [--rounds 2] [--workers 1,2]
+                          [--streamkit-workers 1[,2]] [--json]
                           [--broker-arg ARG ...] [--run-env NAME=VALUE ...]
                           [--logs DIR] [--profile DIR]
 
@@ -23,6 +24,9 @@ it starts from nothing: RocksDB stores, recovery logs, exactly-once through
 the broker, 1 worker) and the clock runs from that command until every shard
 has committed a transaction covering its whole input (the shards' /status,
 polled every 0.1 s), as bench/wordcount_bench.py measures a catch-up.
+`--streamkit-workers 1,2` runs it once per worker count (`run --workers N`,
+each on an app copy of its own), and the round's ratio is that of the first
+count; the CPU seconds then include the worker processes.
 
 The two sides alternate within every round (Bytewax -w 1, streamkit,
 Bytewax -w 2; the Bytewax order is reversed in odd rounds). Printed: each
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -114,42 +119,49 @@ def _children_cpu() -> float:
 # --- streamkit --------------------------------------------------------------------------
 
 
-def _process_cpu(pid: int) -> float:
-    """CPU seconds (user + system) a live process has used so far."""
+def _process_cpu(pid: int, children: bool = False) -> float:
+    """CPU seconds (user + system) a live process has used so far (and its live children)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    if children:
+        for child in Path(f"/proc/{pid}/task").glob("*/children"):
+            for kid in child.read_text().split():
+                with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                    cpu += _process_cpu(int(kid), children=True)
+    return cpu
 
 
 async def run_streamkit(app: Path, broker: BrokerProcess, wanted: dict[str, int], tmp: Path,
-                        args: argparse.Namespace, round_: int) -> dict[str, Any]:
-    """`streamkit run APP` (1 worker), timed from its command until the input is committed."""
+                        args: argparse.Namespace, round_: int, workers: int = 1
+                        ) -> dict[str, Any]:
+    """`streamkit run APP --workers N`, timed from its command until the input is committed."""
     config = load_config(app)
     env = {**os.environ, **dict(item.split("=", 1) for item in args.run_env)}
     command = [sys.executable, "-m", "streamkit.cli.main", "run", str(app), "--broker",
-               broker.address, "--no-status", "--workers", "1"]
+               broker.address, "--no-status", "--workers", str(workers)]
     assert broker.proc is not None
     broker_cpu = _process_cpu(broker.proc.pid)
     async with open_keyspace(str(config.data_dir / "keyspace.db")) as keyspace:
         resolver = Resolver(config, keyspace)
         before = os.getloadavg()[0]
-        log_path = (args.logs or tmp) / f"run-{round_}.log"
+        log_path = (args.logs or tmp) / f"run-{round_}-w{workers}.log"
         with open(log_path, "ab") as log:
             started = time.monotonic()
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         spy = _py_spy(proc.pid, args.profile, round_) if args.profile else None
         try:
             first, done = await _until_processed(resolver, wanted, proc)
-            cpu = _process_cpu(proc.pid)
+            cpu = _process_cpu(proc.pid, children=True)
         except (RuntimeError, TimeoutError) as error:  # a shard failed: say so, go on
             print(log_path.read_text()[-3000:], file=sys.stderr)
-            return {"side": "streamkit", "workers": 1, "failed": str(error),
+            return {"side": "streamkit", "workers": workers, "failed": str(error),
                     "s": round(time.monotonic() - started, 2)}
         finally:
             if spy is not None:
                 spy.send_signal(signal.SIGINT)  # py-spy writes its file and ends
                 spy.wait(60)
             stop_run(proc)
-    result = {"side": "streamkit", "workers": 1, "s": round(done - started, 2),
+    result = {"side": "streamkit", "workers": workers, "s": round(done - started, 2),
               "first_commit_s": round(first - started, 2), "cpu_s": round(cpu, 2),
               "broker_cpu_s": round(_process_cpu(broker.proc.pid) - broker_cpu, 2),
               "load": [before, os.getloadavg()[0]]}
@@ -182,12 +194,14 @@ def _py_spy(pid: int, folder: Path, round_: int) -> subprocess.Popen:
 # --- the rounds -------------------------------------------------------------------------
 
 
-def schedule(round_: int, workers: list[int]) -> list[int | None]:
-    """A round's runs in order: a Bytewax worker count, or None for streamkit."""
+def schedule(round_: int, workers: list[int], ours: list[int]) -> list[tuple[str, int]]:
+    """A round's runs in order: (side, worker count); each side's order flips every round."""
     order = list(workers) if round_ % 2 == 0 else list(reversed(workers))
-    if len(order) == 1:
-        return [order[0], None] if round_ % 2 == 0 else [None, order[0]]
-    return [order[0], None, *order[1:]]
+    mine = [("streamkit", w) for w in (ours if round_ % 2 == 0 else reversed(ours))]
+    theirs = [("bytewax", w) for w in order]
+    if len(theirs) == 1:
+        return [*theirs, *mine] if round_ % 2 == 0 else [*mine, *theirs]
+    return [theirs[0], *mine, *theirs[1:]]
 
 
 def show(run: dict[str, Any]) -> None:
@@ -209,16 +223,18 @@ async def bench(broker: BrokerProcess, tmp: Path, args: argparse.Namespace) -> d
     text = data.read_text()
     words = len(text.split())
     python = bytewax_python(args.bytewax_venv)
-    apps = [copy_app(tmp, f"wordcount-r{r}", f"wordcount-r{r}") for r in range(args.rounds)]
+    apps = {(r, w): copy_app(tmp, f"wordcount-r{r}w{w}", f"wordcount-r{r}w{w}")
+            for r in range(args.rounds) for w in args.streamkit_workers}
     t = time.monotonic()
-    wanted = await preload(broker, apps, text.splitlines())
+    wanted = await preload(broker, list(apps.values()), text.splitlines())
     del text
     print(f"preloaded {args.lines:,} lines in {time.monotonic() - t:.1f} s", file=sys.stderr)
     runs: list[dict[str, Any]] = []
     for round_ in range(args.rounds):
-        for workers in schedule(round_, args.workers):
-            if workers is None:
-                run = await run_streamkit(apps[round_], broker, wanted, tmp, args, round_)
+        for side, workers in schedule(round_, args.workers, args.streamkit_workers):
+            if side == "streamkit":
+                run = await run_streamkit(apps[round_, workers], broker, wanted, tmp, args,
+                                          round_, workers)
             else:
                 run = await asyncio.to_thread(run_bytewax, python, data, workers, tmp, words)
             run["round"] = round_
@@ -227,12 +243,17 @@ async def bench(broker: BrokerProcess, tmp: Path, args: argparse.Namespace) -> d
             show(run)
     rounds = []
     for round_ in range(args.rounds):
-        ours = next(r for r in runs if r["round"] == round_ and r["side"] == "streamkit")
+        ours = next(r for r in runs if r["round"] == round_ and r["side"] == "streamkit"
+                    and r["workers"] == args.streamkit_workers[0])
+        scaling = {f"w{r['workers']}": r["lines_per_s"] for r in sorted(
+            (r for r in runs if r["round"] == round_ and r["side"] == "streamkit"),
+            key=lambda r: args.streamkit_workers.index(r["workers"]))}
         best = max((r for r in runs if r["round"] == round_ and r["side"] == "bytewax"),
                    key=lambda r: r["lines_per_s"])
         rounds.append({"round": round_, "streamkit": ours["lines_per_s"],
                        "bytewax_best": best["lines_per_s"], "bytewax_best_w": best["workers"],
-                       "ratio": round(ours["lines_per_s"] / best["lines_per_s"], 2)})
+                       "ratio": round(ours["lines_per_s"] / best["lines_per_s"], 2),
+                       "streamkit_by_workers": scaling})
     best_ours = max(r["streamkit"] for r in rounds)  # 0 if every streamkit run failed
     best_theirs = max(r["bytewax_best"] for r in rounds)
     return {"lines": args.lines, "rounds": rounds, "runs": runs,
@@ -246,6 +267,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--workers", default="1,2",
                         help="Bytewax worker counts (-w) to run each round; the best counts")
+    parser.add_argument("--streamkit-workers", default="1",
+                        help="`streamkit run --workers` counts to run each round (the first "
+                             "one's ratio is printed)")
     parser.add_argument("--bytewax-venv", type=Path, default=CACHE / "bytewax-venv")
     parser.add_argument("--broker-arg", action="append", default=[], metavar="ARG",
                         help="an option of `streamkit broker serve` (repeatable)")
@@ -258,6 +282,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.workers = [int(w) for w in args.workers.split(",")]
+    args.streamkit_workers = [int(w) for w in args.streamkit_workers.split(",")]
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="streamkit-peers-") as tmp:
@@ -275,6 +300,11 @@ def main() -> None:
         print(f"round {r['round']}: streamkit {ours}, Bytewax best "
               f"{r['bytewax_best']:,} lines/s (-w {r['bytewax_best_w']}): "
               f"streamkit/Bytewax = {r['ratio']}")
+        by_workers = r["streamkit_by_workers"]
+        if len(by_workers) > 1 and all(by_workers.values()):
+            first, *others = by_workers.items()
+            print("  streamkit " + ", ".join(f"{name}/{first[0]} = {n / first[1]:.2f}"
+                                             for name, n in others))
     print(f"best of each: streamkit {results['streamkit_best']:,} lines/s, Bytewax "
           f"{results['bytewax_best']:,} lines/s: streamkit/Bytewax = {results['ratio_best']}"
           f"  ({results['lines']:,} lines, {results['machine']}"

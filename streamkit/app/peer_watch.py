@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 _CONNECT_TIMEOUT = 1.0  # an unanswered dial is no proof of death: dial again later
 _RETRY = 0.5  # after an unreachable peer, or a connection the peer closed at once
-_CONFIRM = 0.05  # a refusal is confirmed by a second one this much later
+_CONFIRM = 0.02  # a refusal is confirmed by a second one this much later
 
 
 class PeerWatch:
@@ -82,7 +82,9 @@ class PeerWatch:
     async def _watch(self, member: MemberId, lease: int, endpoint: str) -> None:
         where = parse_address(endpoint)
         loop = asyncio.get_running_loop()
+        quick = False  # whether the last connection was closed right after it opened
         while True:
+            # Dial again at once after a close: a port whose process died refuses at once.
             try:
                 reader, writer = await asyncio.wait_for(
                     asyncio.open_connection(where.host, where.port), _CONNECT_TIMEOUT)
@@ -95,11 +97,14 @@ class PeerWatch:
             except (OSError, TimeoutError):
                 await asyncio.sleep(_RETRY)  # unreachable is not dead: the lease decides
                 continue
+            if quick:  # a peer that accepts and closes at once: don't spin on it
+                writer.close()
+                quick = False
+                await asyncio.sleep(_RETRY)
+                continue
             opened = loop.time()
             await _until_closed(reader, writer)
-            if loop.time() - opened < _RETRY:  # closed at once: don't spin on such a peer
-                await asyncio.sleep(_RETRY)
-            # Else dial again at once: a port whose process died refuses at once.
+            quick = loop.time() - opened < _RETRY
 
     async def _revoke(self, member: MemberId, lease: int, endpoint: str) -> None:
         log.warning("member %s: %s's Shard API at %s refuses connections: it is gone, so its "

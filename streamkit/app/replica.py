@@ -299,16 +299,21 @@ class Replica:
             # It is at most waiting for the log's head; playback goes on.
             await cancel_and_wait(standby, f"shard {self.id}'s standby")
         fs = None
+        phases = _Phases()
         if shard.recovery_log:
             self._set_status(Code.BACKFILL)
             fs = self._fs = await self._take_over()
+        phases.mark("take-over")
         hooks = self._hooks = runtime.watchdog.watch(shard.id)
         with hooks.call("new_store", False):
             store = self.store = self.app.new_store(shard, fs)
         cp = await store.restore_checkpoint(shard.id)
+        phases.mark("store")
         if fs is not None and runtime.keyspace is not None:
             await push_backup_hints(runtime.keyspace, shard.spec, await fs.recorder.build_hints())
+        phases.mark("hints")
         await reappend_ack_intents(shard, cp)
+        phases.mark("acks")
         min_offsets = {s.journal: s.min_offset for s in shard.spec.sources}
         offsets = start_offsets(cp, min_offsets)
         shard.progress.update(offsets, {})
@@ -332,9 +337,10 @@ class Replica:
         self.loop = TransactionLoop(shard, self.app, store, publisher, source, hooks)
         self._set_status(Code.PRIMARY)
         log.info(
-            "shard %s: primary, reading %s",
+            "shard %s: primary, reading %s (%s)",
             shard.id,
             ", ".join(f"{j}@{o}" for j, o in sorted(offsets.items())),
+            phases,
         )
         hints_task = asyncio.create_task(self._write_hints_periodically(fs))
         try:
@@ -383,3 +389,19 @@ class Replica:
             await step
         except Exception as error:
             log.warning("shard %s: %s failed: %s: %s", self.id, what, type(error).__name__, error)
+
+
+class _Phases:
+    """How long each step of becoming primary took, for the log line that says it is."""
+
+    def __init__(self) -> None:
+        self._began = self._last = time.monotonic()
+        self._steps: list[str] = []
+
+    def mark(self, step: str) -> None:
+        now = time.monotonic()
+        self._steps.append(f"{step} {1000 * (now - self._last):.0f}")
+        self._last = now
+
+    def __str__(self) -> str:
+        return f"in {1000 * (time.monotonic() - self._began):.0f} ms: {', '.join(self._steps)}"
