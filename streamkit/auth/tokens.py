@@ -32,16 +32,14 @@ systems. What the Go code fixes, as read from gazette/core:
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import IntFlag
-from typing import Any
-
-import jwt
-from jwt.algorithms import HMACAlgorithm
+from typing import TYPE_CHECKING, Any
 
 from streamkit.auth.keys import Keys
 from streamkit.errors import StreamkitError
@@ -54,6 +52,9 @@ from streamkit.protocol.labels import (
     parse_selector,
     union,
 )
+
+if TYPE_CHECKING:
+    import jwt
 
 __all__ = [
     "AuthError",
@@ -262,17 +263,24 @@ def claims_from_json(payload: Any) -> Claims:
 # --- signing and verifying ---------------------------------------------------------------
 
 
-class _AnyLengthHMAC(HMACAlgorithm):
-    """HMAC without pyjwt's per-token short-key warning: Gazette accepts short keys, and
-    `keys.parse_keys` already warns once about them."""
+@functools.cache
+def _jws() -> jwt.PyJWS:
+    """The JWS codec, built on first use: pyjwt pulls in `cryptography`, which a process
+    without keys (most of them) never needs."""
+    import jwt
+    from jwt.algorithms import HMACAlgorithm
 
-    def check_key_length(self, key: bytes) -> str | None:
-        return None
+    class _AnyLengthHMAC(HMACAlgorithm):
+        """HMAC without pyjwt's per-token short-key warning: Gazette accepts short keys,
+        and `keys.parse_keys` already warns once about them."""
 
+        def check_key_length(self, key: bytes) -> str | None:
+            return None
 
-_JWS = jwt.PyJWS(algorithms=[])
-_JWS.register_algorithm("HS256", _AnyLengthHMAC(HMACAlgorithm.SHA256))
-_JWS.register_algorithm("HS384", _AnyLengthHMAC(HMACAlgorithm.SHA384))
+    jws = jwt.PyJWS(algorithms=[])
+    jws.register_algorithm("HS256", _AnyLengthHMAC(HMACAlgorithm.SHA256))
+    jws.register_algorithm("HS384", _AnyLengthHMAC(HMACAlgorithm.SHA384))
+    return jws
 
 
 def sign(
@@ -290,7 +298,7 @@ def sign(
     claims = Claims(Capability(cap), selector or pb.LabelSelector(), issued + ttl, issued)
     # Compact and UTF-8 as Go writes it, so equal claims sign to the same bytes.
     payload = json.dumps(claims_json(claims), separators=(",", ":"), ensure_ascii=False).encode()
-    return _JWS.encode(payload, keys.signing, algorithm="HS256")
+    return _jws().encode(payload, keys.signing, algorithm="HS256")
 
 
 def _check_times(claims: Claims, not_before: float | None, now: float, leeway: float) -> None:
@@ -337,9 +345,12 @@ def verify(
 
 
 def _verified_payload(keys: Keys, token: str) -> bytes:
+    import jwt  # imported by _jws() already: only a name lookup here
+
+    jws = _jws()
     for key in keys.verifying:
         try:
-            return _JWS.decode(token, key, algorithms=list(_ALGORITHMS))
+            return jws.decode(token, key, algorithms=list(_ALGORITHMS))
         except jwt.InvalidSignatureError:
             continue
         except jwt.InvalidAlgorithmError:

@@ -69,7 +69,9 @@ class Child:
             return f"was killed by signal {-code}"
         return f"exited with code {code}"
 
-    def wait_listening(self, port: int, timeout: float = 30.0) -> None:
+    def wait_listening(self, port: int, timeout: float = 30.0, poll: float = 0.01) -> None:
+        """Until the child accepts connections on `port`. Polled often: `streamkit run`
+        waits on this for its bundled broker, and a local connect attempt costs little."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -77,7 +79,7 @@ class Child:
                                    f"{self.tail()}")
             if port_in_use(port):
                 return
-            time.sleep(0.05)
+            time.sleep(poll)
         raise TimeoutError(f"{self.name} did not listen on port {port} within {timeout:.0f}s")
 
     def restarted(self) -> Child:

@@ -34,17 +34,14 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from streamkit.app.config import AppConfig, load_config
-from streamkit.app.gc_tuning import tune_for_throughput
 from streamkit.app.layout import check_layout
-from streamkit.app.member import Member, MemberOptions, deploy
-from streamkit.app.replica import STOP_TIMEOUT
 from streamkit.app.store_kinds import STORE_KINDS
 from streamkit.app.waits import first_of
-from streamkit.app.watchdog import Stuck
 from streamkit.auth.settings import Exposed, Security
 from streamkit.cli.children import Child, Supervisor, port_in_use, start_child
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command
@@ -57,6 +54,10 @@ from streamkit.keyspace.keyspace import KeySpace
 from streamkit.protocol import pb
 from streamkit.protocol.conformance import problems_of
 from streamkit.tasks import cancel_and_wait
+
+if TYPE_CHECKING:
+    from streamkit.app.member import Member
+    from streamkit.app.watchdog import Stuck
 
 __all__ = ["DEFAULT_BROKER_PORT", "app_config", "deploy_when_ready", "keyspace_url_of", "run",
            "serve", "start_bundled_broker"]
@@ -72,6 +73,23 @@ _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # Seconds a stop waits on a plain hook that blocks the event loop (nothing can commit
 # meanwhile) before the process exits without committing; a second Ctrl-C exits at once.
 STUCK_GRACE = 5.0
+
+
+def _stop_timeout() -> float:
+    """Seconds the shards get to commit in a graceful stop (the member's default); imported
+    on use, as the member's modules are (`_import_member_side`)."""
+    from streamkit.app.replica import STOP_TIMEOUT
+
+    return STOP_TIMEOUT
+
+
+def _import_member_side() -> None:
+    """Import the modules the member needs, which `run` does while the bundled broker starts:
+    the broker's own imports take about as long, in another process, and the member needs
+    it listening before it starts."""
+    import streamkit.app.member
+    import streamkit.app.member_apis
+    import streamkit.cli.run_status  # noqa: F401
 
 
 def app_config(app_dir: Path, shards: int | None, standbys: int | None,
@@ -93,7 +111,7 @@ def keyspace_url_of(config: AppConfig, keyspace: str | None) -> str:
 @contextlib.asynccontextmanager
 async def _member(config: AppConfig, app_class: type, client: BrokerClient, keyspace: KeySpace,
                   *, suffix: str, broker_file_root: Path | None,
-                  stop_timeout: Callable[[], float] = lambda: STOP_TIMEOUT,
+                  stop_timeout: Callable[[], float] = _stop_timeout,
                   security: Security | None = None, host: str = "127.0.0.1",
                   port: int = 0, advertise: str | None = None, zone: str = "local",
                   lease_ttl: float = 1.0,
@@ -101,6 +119,8 @@ async def _member(config: AppConfig, app_class: type, client: BrokerClient, keys
     """A member with its Shard API and HTTP endpoints (on `host`, announced as `advertise`
     when given), stopped gracefully on exit (its commits bounded by `stop_timeout()`, asked
     as the stop begins)."""
+    from streamkit.app.gc_tuning import tune_for_throughput
+    from streamkit.app.member import Member, MemberOptions
     from streamkit.app.member_apis import serve_member_apis
 
     tune_for_throughput()  # this process consumes in bulk from here on
@@ -122,9 +142,10 @@ async def _member(config: AppConfig, app_class: type, client: BrokerClient, keys
 
 
 async def _wait_for_members(config: AppConfig, keyspace: KeySpace, workers: list[Child],
-                            timeout: float = 20.0) -> None:
+                            timeout: float = 20.0, poll: float = 0.02) -> None:
     """Until the worker processes joined, so the first assignment spreads shards over all
-    members instead of moving half of them (and their recovery) a moment later."""
+    members instead of moving half of them (and their recovery) a moment later. Polled
+    often (a KeySpace read): the shards wait on this."""
     prefix = f"{config.keyspace_root}/members/"
     deadline = asyncio.get_running_loop().time() + timeout
     while workers and asyncio.get_running_loop().time() < deadline:
@@ -137,12 +158,14 @@ async def _wait_for_members(config: AppConfig, keyspace: KeySpace, workers: list
             if worker.proc.poll() is not None:
                 raise CliError(f"{worker.name} exited with code {worker.proc.returncode}:\n"
                                f"{worker.tail()}")
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(poll)
 
 
 async def deploy_when_ready(config: AppConfig, client: BrokerClient, keyspace: KeySpace,
                              broker: str, timeout: float = 30.0) -> None:
     """Create the app's journals and shards, retrying while the broker is still starting."""
+    from streamkit.app.member import deploy
+
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
@@ -189,7 +212,7 @@ async def _until_signalled(supervising: asyncio.Task[None] | None = None,
     if member is not None:
         watchdog = member.runtime.watchdog
         watchdog.arm_exit(lambda stuck: _exit_stuck(stuck, children), STUCK_GRACE,
-                          STOP_TIMEOUT + STUCK_GRACE)
+                          _stop_timeout() + STUCK_GRACE)
         for sig in (signal.SIGINT, signal.SIGTERM):
             # Replaces asyncio's no-op Python-level handler; the loop still gets the signal
             # through its wakeup fd.
@@ -203,9 +226,11 @@ async def _until_signalled(supervising: asyncio.Task[None] | None = None,
 
 
 def start_bundled_broker(config: AppConfig, port: int, keyspace_url: str,
-                         security: Security | None = None) -> Child:
+                         security: Security | None = None,
+                         meanwhile: Callable[[], object] | None = None) -> Child:
     """The bundled broker on `port` (HTTP on the next), its pid in .streamkit/broker.pid;
-    with `security`'s keys and certificate (given through its environment)."""
+    with `security`'s keys and certificate (given through its environment). `meanwhile`
+    runs while it starts (its start takes a few tenths of a second, mostly imports)."""
     if port_in_use(port) or port_in_use(port + 1):
         raise CliError(f"port {port} or {port + 1} is in use: is a broker already running? "
                        f"Pass --broker 127.0.0.1:{port} to use it, or --port to pick others",
@@ -216,6 +241,12 @@ def start_bundled_broker(config: AppConfig, port: int, keyspace_url: str,
         "--keyspace", keyspace_url], config.data_dir / "broker.log",
         config.data_dir / "broker.pid",
         security_env(security, dict(os.environ)) if security is not None else None)
+    if meanwhile is not None:
+        try:
+            meanwhile()
+        except BaseException:  # Ctrl-C, say: stop the broker it was waiting for
+            child.stop(5.0)
+            raise
     child.wait_listening(port)
     return child
 
@@ -272,13 +303,14 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
         as stopping begins)."""
         if not stopping:
             quick = bundled is not None and not bundled.settled()
-            stopping.update(timeout=_QUICK_STOP if quick else STOP_TIMEOUT, began=time.monotonic())
+            stopping.update(timeout=_QUICK_STOP if quick else _stop_timeout(),
+                            began=time.monotonic())
         return stopping["timeout"]
 
     try:
         if broker is None:
-            bundled = Supervisor(start_bundled_broker(config, port, keyspace_url, security),
-                                 port)
+            bundled = Supervisor(start_bundled_broker(config, port, keyspace_url, security,
+                                                      meanwhile=_import_member_side), port)
             supervising = asyncio.create_task(bundled.run(), name="broker supervisor")
             scheme = "https://" if security.server_tls is not None else ""
             broker = f"{scheme}127.0.0.1:{port}"
@@ -321,8 +353,8 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
     finally:
         # Workers wait on the broker as this member does: when it's down, they get about the
         # time this member's shards got, then SIGKILL (their transactions are done again).
-        patience = STOP_TIMEOUT
-        if stop_timeout() != STOP_TIMEOUT:
+        patience = _stop_timeout()
+        if stop_timeout() != patience:
             patience = max(0.1, stopping["began"] + 2 * _QUICK_STOP + 1.0 - time.monotonic())
         # Before stopping the broker, which it would restart. Had it ended with an error,
         # _until_signalled raised that already.
