@@ -65,7 +65,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench.backfill_bench import copy_app, preload  # noqa: E402
 from bench.common import machine  # noqa: E402
-from bench.wordcount_bench import PEER, lines_file, stop_run, wait_processed  # noqa: E402
+from bench.wordcount_bench import (  # noqa: E402
+    PEER,
+    lines_file,
+    stop_run,
+    wait_processed,
+    wait_serving,
+)
 from streamkit.app.config import load_config  # noqa: E402
 from streamkit.app.resolver import Resolver  # noqa: E402
 from streamkit.keyspace import open_keyspace  # noqa: E402
@@ -150,7 +156,10 @@ async def run_streamkit(app: Path, broker: BrokerProcess, wanted: dict[str, int]
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         spy = _py_spy(proc.pid, args.profile, round_) if args.profile else None
         try:
+            serving = asyncio.create_task(wait_serving(resolver, config.shards))
             first, done = await _until_processed(resolver, wanted, proc)
+            serving_at = serving.result() if serving.done() else done
+            serving.cancel()
             cpu = _process_cpu(proc.pid, children=True)
         except (RuntimeError, TimeoutError) as error:  # a shard failed: say so, go on
             print(log_path.read_text()[-3000:], file=sys.stderr)
@@ -162,6 +171,8 @@ async def run_streamkit(app: Path, broker: BrokerProcess, wanted: dict[str, int]
                 spy.wait(60)
             stop_run(proc)
     result = {"side": "streamkit", "workers": workers, "s": round(done - started, 2),
+              "serving_s": round(serving_at - started, 2),
+              "lines_per_s_serving": round(args.lines / max(done - serving_at, 1e-3)),
               "first_commit_s": round(first - started, 2), "cpu_s": round(cpu, 2),
               "broker_cpu_s": round(_process_cpu(broker.proc.pid) - broker_cpu, 2),
               "load": [before, os.getloadavg()[0]]}
@@ -210,8 +221,9 @@ def show(run: dict[str, Any]) -> None:
         print(f"  round {run['round']} {name:<14} FAILED after {run['s']} s: {run['failed']}",
               file=sys.stderr, flush=True)
         return
-    extra = f", first commit {run['first_commit_s']} s, broker CPU {run['broker_cpu_s']} s" \
-        if run["side"] == "streamkit" else ""
+    extra = (f", serving at {run['serving_s']} s ({run['lines_per_s_serving']:,} lines/s "
+             f"since), first commit {run['first_commit_s']} s, broker CPU "
+             f"{run['broker_cpu_s']} s") if run["side"] == "streamkit" else ""
     mark = " (py-spy attached)" if run.get("profiled") else ""
     print(f"  round {run['round']} {name:<14} {run['s']:7.2f} s {run['lines_per_s']:>9,} lines/s"
           f"  CPU {run['cpu_s']} s{extra}, load {run['load'][0]:.2f}->{run['load'][1]:.2f}"

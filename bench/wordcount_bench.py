@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -108,6 +109,19 @@ async def processed(resolver: Resolver) -> dict[str, int]:
                 for journal, offset in shard.get("read_through", {}).items():
                     out[journal] = max(out.get(journal, 0), offset)
     return out
+
+
+async def wait_serving(resolver: Resolver, shards: int, interval: float = 0.02) -> float:
+    """Until `shards` shards are PRIMARY (over every member's /status); the time it was."""
+    while True:
+        count = 0
+        for url in await member_urls(resolver):
+            with contextlib.suppress(OSError):
+                status = json.loads(await asyncio.to_thread(_get, f"{url}/status"))
+                count += sum(1 for shard in status if shard.get("status") == "PRIMARY")
+        if count >= shards:
+            return time.monotonic()
+        await asyncio.sleep(interval)
 
 
 async def wait_processed(resolver: Resolver, wanted: dict[str, int], timeout: float = 900
