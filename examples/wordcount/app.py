@@ -28,12 +28,6 @@ class WordCount(streamkit.Application):
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()  # this transaction's words
 
-    def new_store(self, shard, fs):
-        store = super().new_store(shard, fs)
-        if isinstance(store, streamkit.SQLStore):
-            create_table(store.engine)
-        return store
-
     def consume_message(self, shard, store, envelope, publisher) -> None:
         self.counts.update(envelope.message["line"].split())
 
@@ -112,6 +106,10 @@ class SQLCounts(Counts):
     SQL runs on the store's thread (`store.run`), never on the event loop,
     where waiting for another shard's lock would stall every shard.
     """
+
+    def __init__(self, store: Any) -> None:
+        super().__init__(store)
+        create_table(store.engine)
 
     async def get(self, word: str) -> int:
         from sqlalchemy import text
