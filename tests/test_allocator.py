@@ -550,11 +550,12 @@ async def drive(alloc: Allocator) -> None:
 
 @contextlib.asynccontextmanager
 async def member(
-    db: Path, m: MemberId, *, ttl: float = 1.0, limit: int = 0
+    db: Path, m: MemberId, *, ttl: float = 1.0, limit: int = 0, expect: int = 1
 ) -> AsyncIterator[Allocator]:
     """A member with its own KeySpace connection and a status driver."""
     async with SQLiteKeySpace(db) as ks:
-        alloc = Allocator(ks, ROOT, m, consumer_pb.ConsumerSpec(shard_limit=limit), lease_ttl=ttl)
+        alloc = Allocator(ks, ROOT, m, consumer_pb.ConsumerSpec(shard_limit=limit), lease_ttl=ttl,
+                          expect_members=expect)
         await alloc.start()
         driver = asyncio.create_task(drive(alloc))
         try:
@@ -620,6 +621,22 @@ async def test_two_members_share_eight_shards(ks: SQLiteKeySpace, tmp_path: Path
         # Every assignment key is under its own member's lease.
         leases = {m: state.member_kv(m).lease for m in (A, B)}
         assert all(x.lease == leases[x.member] for x in state.assignments)
+
+
+async def test_members_started_together_get_their_shares_at_once(
+        ks: SQLiteKeySpace, tmp_path: Path) -> None:
+    """With `expect_members`, the leader makes no assignment until the expected members
+    joined: the first assignment is already balanced, and nothing moves afterwards."""
+    await put_shards(ks, 8, standbys=0)
+    async with member(tmp_path / "ks.db", A, expect=2) as a:
+        await asyncio.sleep(0.3)
+        assert a.is_leader and not a.state.assignments  # waiting for the second member
+        async with member(tmp_path / "ks.db", B, expect=2):
+            state = await wait(a, lambda s: len(s.assignments) == 8)
+            first = {x.item: x.member for x in state.assignments}
+            assert Counter(first.values()) == {A: 4, B: 4}
+            await asyncio.sleep(0.3)
+            assert {x.item: x.member for x in a.state.assignments} == first
 
 
 async def test_graceful_leave_promotes_standbys(ks: SQLiteKeySpace, tmp_path: Path) -> None:

@@ -115,6 +115,8 @@ DOUBT = 3 / 4
 # Seconds past its TTL that a lease may go unanswered before the member gives it up
 # (`LeaseLost`) rather than wait, not serving, for the KeySpace to come back.
 KEYSPACE_PATIENCE = 10.0
+# At most this long a new leader holds its first assignment back for expected members.
+EXPECT_PATIENCE = 10.0
 # How the watch and converge loops are restarted after a crash.
 RESTART = Restart()
 
@@ -367,6 +369,7 @@ class Allocator:
         settle: float = 0.02,
         on_failure: Callable[[LoopFailure], None] | None = None,
         on_doubt: Callable[[], None] | None = None,
+        expect_members: int = 1,
     ) -> None:
         if lease_ttl <= 0:
             raise ValueError("lease_ttl must be positive")
@@ -385,6 +388,11 @@ class Allocator:
         self.key = member_key(self.root, member)
         self.lease_ttl = lease_ttl
         self.settle = settle
+        # Members started together (`run --workers N`): as leader, make no first assignment
+        # until this many joined (at most EXPECT_PATIENCE), or shards would be moved, with
+        # their recovery and the work they did, a moment later.
+        self.expect_members = expect_members
+        self._expect_until: float | None = None
         self.lease = 0
         self._state = build_state(self.root, (), 0)
         self._kvs: dict[str, KeyValue] = {}
@@ -673,6 +681,20 @@ class Allocator:
                 log.warning("allocator watch failed (%s); retrying", e)
                 await asyncio.sleep(0.1)
 
+    def _awaiting_members(self, state: AllocState) -> bool:
+        """Whether to hold the first assignment back for the expected members (see __init__)."""
+        if self.expect_members <= 1:
+            return False
+        loop = asyncio.get_running_loop()
+        if self._expect_until is None:
+            self._expect_until = loop.time() + EXPECT_PATIENCE
+        remaining = self._expect_until - loop.time()
+        if len(state.members) >= self.expect_members or state.assignments or remaining <= 0:
+            self.expect_members = 1  # it only ever holds back the first assignment
+            return False
+        loop.call_later(remaining, self._dirty.set)  # converge then, whoever joined
+        return True
+
     async def _converge_loop(self) -> None:
         """Lead while this member is the leader; starts afresh from the current state."""
         self._desired = None
@@ -684,6 +706,8 @@ class Allocator:
             state = self._state
             if state.leader != self.member:
                 self._desired = None
+                continue
+            if self._awaiting_members(state):
                 continue
             # Solving with the previous answer as tie-breaker keeps the leader
             # on one plan while a change is under way.

@@ -95,6 +95,7 @@ class MemberOptions:
     endpoint: str = ""  # where this member's Shard API listens (grpc://host:port)
     file_root: Path | None = None  # the broker's file store, read directly when local
     lease_ttl: float = 1.0
+    expect_members: int = 1  # members started together: the first assignment waits for them
     hint_interval: float = 60.0
     # Seconds a hook may run before the watchdog logs it (None: streamkit.yaml's
     # transactions.hook_timeout); a query over HTTP gets as long.
@@ -165,6 +166,7 @@ class Member:
                 lease_ttl=self.options.lease_ttl,
                 on_failure=self._fail,
                 on_doubt=self._stop_serving,
+                expect_members=self.options.expect_members,
             )
             await self.allocator.start()
             self._task = supervised(

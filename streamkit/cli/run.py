@@ -114,7 +114,7 @@ async def _member(config: AppConfig, app_class: type, client: BrokerClient, keys
                   stop_timeout: Callable[[], float] = _stop_timeout,
                   security: Security | None = None, host: str = "127.0.0.1",
                   port: int = 0, advertise: str | None = None, zone: str = "local",
-                  lease_ttl: float = 1.0,
+                  lease_ttl: float = 1.0, expect_members: int = 1,
                   ) -> AsyncIterator[Member]:
     """A member with its Shard API and HTTP endpoints (on `host`, announced as `advertise`
     when given), stopped gracefully on exit (its commits bounded by `stop_timeout()`, asked
@@ -125,7 +125,8 @@ async def _member(config: AppConfig, app_class: type, client: BrokerClient, keys
 
     tune_for_throughput()  # this process consumes in bulk from here on
     options = MemberOptions(work_dir=config.data_dir / "shards" / suffix, suffix=suffix,
-                            zone=zone, file_root=broker_file_root, lease_ttl=lease_ttl)
+                            zone=zone, file_root=broker_file_root, lease_ttl=lease_ttl,
+                            expect_members=expect_members)
     member = Member(config, app_class, client, keyspace, options)
     try:
         grpc_server, http_runner, _ = await serve_member_apis(member, host, port, security,
@@ -320,7 +321,8 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
         for index in range(1, workers):
             args = ["serve", str(config.app_dir), "--broker", broker, "--keyspace",
                     keyspace_url, "--shards", str(config.shards), "--suffix", f"worker-{index}",
-                    "--log-level", log_level, "--store", config.store_kind]
+                    "--log-level", log_level, "--store", config.store_kind,
+                    "--expect-members", str(workers)]
             if file_root is not None:
                 args += ["--file-root", str(file_root)]
             workers_.append(start_child(f"worker {index}", args,
@@ -331,7 +333,7 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
             await _wait_for_members(config, ks, workers_)
             async with _member(config, app_class, client, ks, suffix="worker-0",
                                broker_file_root=file_root, stop_timeout=stop_timeout,
-                               security=security) as member:
+                               security=security, expect_members=workers) as member:
                 view = StatusView(config, ks, live=status,
                                   notice=bundled.state if bundled is not None else None,
                                   security=security)
@@ -397,12 +399,15 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
                    "[default: --host, or the machine's name when it is 0.0.0.0].")
 @click.option("--log-level", default="INFO", show_default=True, envvar="STREAMKIT_LOG_LEVEL",
               type=click.Choice(_LEVELS, case_sensitive=False), help="Log level.")
+@click.option("--expect-members", type=click.IntRange(1, 64), default=1, hidden=True,
+              help="Members started together (run's workers): the first assignment waits "
+                   "for them (at most 10 s).")
 @security_options(serves=True, dials=True)
 @async_command(interrupt_exit=0)
 async def serve(app_dir: Path, broker: str, keyspace: str | None, shards: int | None,
                 suffix: str | None, zone: str, lease_ttl: float, store: str | None,
                 file_root: Path | None, host: str, port: int, advertise: str | None,
-                log_level: str, security: Security) -> None:
+                log_level: str, expect_members: int, security: Security) -> None:
     """Run one member process of APP_DIR's shards until SIGTERM or Ctrl-C.
 
     Beyond loopback (--host 0.0.0.0, say) it needs --auth-keys (or client
@@ -424,5 +429,6 @@ async def serve(app_dir: Path, broker: str, keyspace: str | None, shards: int | 
         await check_layout(config, ks)
         async with _member(config, app_class, client, ks, suffix=suffix, zone=zone,
                            lease_ttl=lease_ttl, broker_file_root=file_root, security=security,
-                           host=host, port=port, advertise=advertise) as member:
+                           host=host, port=port, advertise=advertise,
+                           expect_members=expect_members) as member:
             await _until_signalled(member=member)
