@@ -71,6 +71,9 @@ HISTORY = 800  # lines published before the backfill
 LATER = 200  # lines published after it, counted live
 V1 = 'self.counts.update(envelope.message["line"].split())'
 V2 = 'self.counts.update(envelope.message["line"].upper().split())'
+# The same change in the example's batch hook, which streamkit calls instead.
+V1_BATCH = 'self.counts.update(" ".join([e.message["line"] for e in envelopes]).split())'
+V2_BATCH = 'self.counts.update(" ".join([e.message["line"] for e in envelopes]).upper().split())'
 
 
 def _free_port() -> int:
@@ -255,8 +258,9 @@ async def test_backfill_on_standalone_cluster_hands_over_to_remote_member(
         member_app = copy_wordcount(tmp_path / "machine-b" / "wordcount")
         driver_app = copy_wordcount(tmp_path / "machine-a" / "wordcount")
         source = (driver_app / "app.py").read_text()
-        assert V1 in source
-        (driver_app / "app.py").write_text(source.replace(V1, V2))  # version 2: upper case
+        assert V1 in source and V1_BATCH in source
+        (driver_app / "app.py").write_text(  # version 2: upper case
+            source.replace(V1, V2).replace(V1_BATCH, V2_BATCH))
 
         async with AppView(member_app, address) as view:
             view.keyspace = open_keyspace(keyspace)  # the etcd KeySpace, not the app's file
