@@ -23,6 +23,10 @@ Measured, each from a cold start of its process:
   bench/wordcount_bench.py measures it.
 
 Both rates are lines/s over the whole wall time; the ratio is backfill/live.
+Per core: a shard task's lines/s (its messages over its time, as the
+command reports them) against live lines per CPU-second of the member
+process, and of the member and the broker together. The load averages
+before and after tell whether the machine was quiet.
 """
 
 from __future__ import annotations
@@ -126,24 +130,43 @@ def run_backfill(app: Path, broker: BrokerProcess, master: str, cds: bool
     return elapsed, output
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a running process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def live_catch_up(app: Path, broker: BrokerProcess, tmp: Path, wanted: dict[str, int]
-                        ) -> float:
+                        ) -> tuple[float, float, float]:
+    """(wall seconds, member CPU seconds, broker CPU seconds) of a live catch-up."""
     config = load_config(app)
+    assert broker.proc is not None
     async with open_keyspace(str(config.data_dir / "keyspace.db")) as keyspace:
         resolver = Resolver(config, keyspace)
+        broker_cpu = cpu_seconds(broker.proc.pid)
         started = time.monotonic()
         proc = start_run(app, broker, 1, tmp / "run.log")
         try:
             _, done = await wait_processed(resolver, wanted)
+            member_cpu = cpu_seconds(proc.pid)
+            broker_cpu = cpu_seconds(broker.proc.pid) - broker_cpu
         finally:
             stop_run(proc)
-    return done - started
+    return done - started, member_cpu, broker_cpu
+
+
+def task_rate(output: str) -> int:
+    """A shard task's lines/s: the shards' messages over the sum of their times."""
+    rows = re.findall(r"^shard-\d+\s+(\d+)\s+.*\s([\d.]+)s$", output, re.MULTILINE)
+    seconds = sum(float(t) for _, t in rows)
+    return round(sum(int(m) for m, _ in rows) / seconds) if seconds else 0
 
 
 async def bench(broker: BrokerProcess, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
     backfilled = copy_app(tmp, "wordcount", "wordcount")
     live = copy_app(tmp, "wordcount-live", "wordcount-live")
     lines = lines_file(args.lines).read_text().splitlines()[: args.lines]
+    load_before = os.getloadavg()[0]
     results: dict[str, Any] = {"lines": args.lines, "master": args.master,
                                "history": "spooled" if args.spooled else "fragment files"}
     t = time.monotonic()
@@ -157,7 +180,8 @@ async def bench(broker: BrokerProcess, tmp: Path, args: argparse.Namespace) -> d
         elapsed, output = await asyncio.to_thread(run_backfill, backfilled, broker,
                                                   args.master, cds)
         print(output, file=sys.stderr)
-        run: dict[str, Any] = {"s": round(elapsed, 2), "lines_per_s": round(args.lines / elapsed)}
+        run: dict[str, Any] = {"s": round(elapsed, 2), "lines_per_s": round(args.lines / elapsed),
+                               "task_lines_per_s": task_rate(output)}
         timing = re.search(r"took ([\d.]+)s \(Spark start ([\d.]+)s, shards ([\d.]+)s", output)
         if timing:
             run.update(in_command_s=float(timing.group(1)), spark_start_s=float(timing.group(2)),
@@ -170,11 +194,17 @@ async def bench(broker: BrokerProcess, tmp: Path, args: argparse.Namespace) -> d
     results["backfill_s"] = results["backfill"]["s"]
     results["backfill_lines_per_s"] = results["backfill"]["lines_per_s"]
     if not args.skip_live:
-        elapsed = await live_catch_up(live, broker, tmp, wanted)
+        elapsed, member_cpu, broker_cpu = await live_catch_up(live, broker, tmp, wanted)
         results["live_catch_up_s"] = round(elapsed, 2)
         results["live_lines_per_s"] = round(args.lines / elapsed)
+        results["live_cpu_s"] = {"member": round(member_cpu, 2), "broker": round(broker_cpu, 2)}
         results["speedup"] = round(results["backfill_lines_per_s"]
                                    / results["live_lines_per_s"], 2)
+        task = results["backfill"]["task_lines_per_s"]
+        results["task_vs_live_per_core"] = {
+            "member_cpu": round(task / (args.lines / member_cpu), 2),
+            "member_and_broker_cpu": round(task / (args.lines / (member_cpu + broker_cpu)), 2)}
+    results["load_avg"] = {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)}
     return results
 
 

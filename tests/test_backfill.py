@@ -309,6 +309,30 @@ async def test_journals_are_merged_in_the_order_they_were_written() -> None:
     assert merged == [[1, 2], [3, 4], [5, 6], [7, 8], [9]]
 
 
+# --- scheduling -----------------------------------------------------------------------
+
+
+def test_largest_shards_start_first() -> None:
+    from types import SimpleNamespace
+
+    from streamkit.backfill.spark import _largest_first
+
+    def shard(*sizes: int) -> Any:
+        return SimpleNamespace(journals=[SimpleNamespace(begin=10, end=10 + n) for n in sizes])
+
+    plan: Any = SimpleNamespace(shards=[shard(5), shard(20), shard(5, 30), shard(1), shard(20)])
+    assert _largest_first(plan) == [2, 1, 4, 0, 3]
+
+
+def test_local_workers_fork_from_the_preloaded_daemon(sc: Any) -> None:
+    """Spark's daemon handed its place to the one that imported while the JVM started."""
+    def parent(_: int) -> bytes:
+        return Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+
+    parents = sc.parallelize(range(2), 2).map(parent).collect()
+    assert all(b"--preloaded" in cmdline for cmdline in parents), parents
+
+
 # --- equivalence ----------------------------------------------------------------------
 
 
@@ -328,6 +352,7 @@ async def test_wordcount_backfill_then_live_equals_live(
         assert sum(j.bytes_direct for j in journals) > 0  # fragment files, every codec...
         assert sum(j.bytes_via_broker for j in journals) > 0  # ...and the open spools
         results = await backfill(sc, plan)
+        assert [r["shard_id"] for r in results] == [s.shard_id for s in plan.shards]
         assert sum(r["messages"] for r in results) == len(first)
         assert {j for r in results for j, o in r["read_through"].items()} == {
             j.journal for j in journals}

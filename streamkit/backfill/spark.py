@@ -114,12 +114,47 @@ def spark_context(master: str = "local[*]", conf: dict[str, str] | None = None) 
     spark_conf.set("spark.driver.extraJavaOptions", " ".join(options))
     for key, value in (conf or {}).items():
         spark_conf.set(key, value)
+    stop_daemon = None
+    if master.startswith("local") and pyspark.SparkContext._active_spark_context is None:
+        stop_daemon = _preloaded_daemon(spark_conf)
     try:
         sc = pyspark.SparkContext.getOrCreate(spark_conf)
     except Exception as error:
+        if stop_daemon is not None:
+            stop_daemon()
         raise BackfillError(f"starting Spark ({master}) failed: {error}") from None
     sc.setLogLevel("ERROR")
     return sc
+
+
+def _preloaded_daemon(spark_conf: Any) -> Callable[[], None] | None:
+    """Start importing the local workers' modules while Spark's JVM starts (see daemon.py);
+    what stops it if Spark doesn't start.
+
+    The daemon Spark starts later finds it through its environment (the
+    context's executor environment). It waits in a folder only this user
+    can enter. STREAMKIT_SPARK_PRELOAD=0 turns this off.
+    """
+    from streamkit.backfill.daemon import ADDRESS_ENV
+
+    if os.environ.get("STREAMKIT_SPARK_PRELOAD", "1") == "0":
+        return None
+    folder = Path(tempfile.mkdtemp(prefix="streamkit-daemon-"))
+    try:
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "streamkit.backfill.daemon", "--preloaded",
+             str(folder / "daemon.sock")], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    except OSError:
+        folder.rmdir()
+        return None
+    spark_conf.setExecutorEnv(ADDRESS_ENV, str(folder / "daemon.sock"))
+
+    def stop() -> None:
+        daemon.kill()
+        daemon.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+    return stop
 
 
 def _class_archive(pyspark: str, java: str) -> list[str]:
@@ -232,6 +267,19 @@ def _unpacked(shipped: str) -> str:
     return str(target)
 
 
+def _largest_first(plan: BackfillPlan) -> list[int]:
+    """The shards' indexes, those with the most bytes to read first.
+
+    Spark starts a job's tasks in partition order as task slots free up:
+    with the longest tasks first, the last ones to start are short, and no
+    core idles at the end while one long task started late runs on.
+    """
+    def size(index: int) -> int:
+        return sum(j.end - j.begin for j in plan.shards[index].journals)
+
+    return sorted(range(len(plan.shards)), key=size, reverse=True)
+
+
 def _report_progress(sc: SparkContext, shards: int, started: float,
                      progress: Callable[[SparkProgress], None], stop: threading.Event) -> None:
     tracker = sc.statusTracker()
@@ -305,8 +353,10 @@ def run_on_spark(
         reporter.start()
     try:
         context.setJobGroup(JOB_GROUP, f"backfill of {len(plan.shards)} shard(s)")
-        indexes = context.parallelize(range(len(plan.shards)), max(len(plan.shards), 1))
-        results: list[dict[str, Any]] = indexes.map(_executor_task(plan, shipped)).collect()
+        order = _largest_first(plan)
+        indexes = context.parallelize(order, max(len(order), 1))
+        ran = dict(zip(order, indexes.map(_executor_task(plan, shipped)).collect(), strict=True))
+        results: list[dict[str, Any]] = [ran[i] for i in range(len(order))]
         if progress is not None:
             stop.set()
             if reporter is not None:
