@@ -18,6 +18,8 @@ Measured, each from a cold start of its process:
   once with Spark's classes loaded from its jars, once mapped from the class
   archive the first Spark start on a machine writes (made beforehand if
   missing; see streamkit.backfill.spark);
+* the same tasks without Spark: `streamkit backfill APP --processes N` (N: the
+  machine's cores), until every shard is handed over;
 * live catch-up: `streamkit run APP2` (a copy of the app under another name,
   so it starts from nothing) until every shard has processed every line, as
   bench/wordcount_bench.py measures it.
@@ -110,11 +112,10 @@ def _archive_options() -> list[str]:
     return _class_archive(f"{pyspark.__version__} {pyspark.__file__}", check_java())
 
 
-def run_backfill(app: Path, broker: BrokerProcess, master: str, cds: bool
+def run_backfill(app: Path, broker: BrokerProcess, engine: list[str], cds: bool
                  ) -> tuple[float, str]:
-    command = [sys.executable, "-m", "streamkit.cli.main", "backfill", str(app), "--spark",
-               "--master", master, "--broker", broker.address,
-               "--fragment-root", str(broker.data_dir / "fragments")]
+    command = [sys.executable, "-m", "streamkit.cli.main", "backfill", str(app), *engine,
+               "--broker", broker.address, "--fragment-root", str(broker.data_dir / "fragments")]
     env = {**os.environ, "STREAMKIT_SPARK_CDS": "1" if cds else "0"}
     # Output goes to a file, not a pipe: the command is done when its process exits
     # (Spark's JVM, which shares the output, may take a moment longer to go).
@@ -176,9 +177,11 @@ async def bench(broker: BrokerProcess, tmp: Path, args: argparse.Namespace) -> d
         broker.terminate(60)  # a graceful stop persists the spools
         broker.start()
     await asyncio.to_thread(ensure_class_archive, args.master)
-    for name, cds in (("backfill_without_class_archive", False), ("backfill", True)):
-        elapsed, output = await asyncio.to_thread(run_backfill, backfilled, broker,
-                                                  args.master, cds)
+    spark = ["--spark", "--master", args.master]
+    local = ["--processes", str(os.cpu_count() or 2)]
+    for name, engine, cds in (("backfill_without_class_archive", spark, False),
+                              ("backfill", spark, True), ("backfill_local_processes", local, True)):
+        elapsed, output = await asyncio.to_thread(run_backfill, backfilled, broker, engine, cds)
         print(output, file=sys.stderr)
         run: dict[str, Any] = {"s": round(elapsed, 2), "lines_per_s": round(args.lines / elapsed),
                                "task_lines_per_s": task_rate(output)}
@@ -200,6 +203,8 @@ async def bench(broker: BrokerProcess, tmp: Path, args: argparse.Namespace) -> d
         results["live_cpu_s"] = {"member": round(member_cpu, 2), "broker": round(broker_cpu, 2)}
         results["speedup"] = round(results["backfill_lines_per_s"]
                                    / results["live_lines_per_s"], 2)
+        results["speedup_local_processes"] = round(
+            results["backfill_local_processes"]["lines_per_s"] / results["live_lines_per_s"], 2)
         task = results["backfill"]["task_lines_per_s"]
         results["task_vs_live_per_core"] = {
             "member_cpu": round(task / (args.lines / member_cpu), 2),

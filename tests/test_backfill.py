@@ -315,13 +315,13 @@ async def test_journals_are_merged_in_the_order_they_were_written() -> None:
 def test_largest_shards_start_first() -> None:
     from types import SimpleNamespace
 
-    from streamkit.backfill.spark import _largest_first
+    from streamkit.backfill.plan import largest_first
 
     def shard(*sizes: int) -> Any:
         return SimpleNamespace(journals=[SimpleNamespace(begin=10, end=10 + n) for n in sizes])
 
     plan: Any = SimpleNamespace(shards=[shard(5), shard(20), shard(5, 30), shard(1), shard(20)])
-    assert _largest_first(plan) == [2, 1, 4, 0, 3]
+    assert largest_first(plan) == [2, 1, 4, 0, 3]
 
 
 def test_local_workers_fork_from_the_preloaded_daemon(sc: Any) -> None:
@@ -336,8 +336,11 @@ def test_local_workers_fork_from_the_preloaded_daemon(sc: Any) -> None:
 # --- equivalence ----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("engine", ["spark", "processes"])
 async def test_wordcount_backfill_then_live_equals_live(
-        sc: Any, brokers: tuple[BrokerProcess, BrokerProcess], tmp_path: Path) -> None:
+        engine: str, request: pytest.FixtureRequest, brokers: tuple[BrokerProcess, BrokerProcess],
+        tmp_path: Path) -> None:
+    """On Spark, and in local processes (`--processes`): the same tasks, the same state."""
     lines = [{"id": i, "line": line} for i, line in enumerate(generate_lines(3000, seed=11))]
     first, rest = lines[:2000], lines[2000:]
     a = await Setup.start(copy_wordcount(tmp_path / "a"), brokers[0])
@@ -351,7 +354,12 @@ async def test_wordcount_backfill_then_live_equals_live(
         journals = [j for shard in plan.shards for j in shard.journals]
         assert sum(j.bytes_direct for j in journals) > 0  # fragment files, every codec...
         assert sum(j.bytes_via_broker for j in journals) > 0  # ...and the open spools
-        results = await backfill(sc, plan)
+        if engine == "spark":
+            results = await backfill(request.getfixturevalue("sc"), plan)
+        else:
+            from streamkit.backfill.local import run_locally
+
+            results = await asyncio.to_thread(run_locally, plan, 2)
         assert [r["shard_id"] for r in results] == [s.shard_id for s in plan.shards]
         assert sum(r["messages"] for r in results) == len(first)
         assert {j for r in results for j, o in r["read_through"].items()} == {
@@ -725,4 +733,13 @@ async def test_cli_plan_and_clear_errors(broker_proc: BrokerProcess, tmp_path: P
         no_pyspark.stderr)
 
     engine = await asyncio.to_thread(_cli, str(app), *where)
-    assert engine.returncode == 2 and "add --spark" in engine.stderr
+    assert engine.returncode == 2 and "add --spark or --processes N" in engine.stderr
+    both = await asyncio.to_thread(_cli, str(app), "--spark", "--processes", "2", *where)
+    assert both.returncode == 2 and "choose one" in both.stderr
+
+    # Without Spark: the same tasks in two local processes, every shard handed over.
+    local = await asyncio.to_thread(_cli, str(app), "--processes", "2", *where)
+    assert local.returncode == 0, local.stderr
+    assert "handed over 8 shards" in local.stderr and "2 local processes" in local.stderr
+    results = [line.split() for line in local.stdout.splitlines() if line.startswith("shard-")]
+    assert sum(int(row[1]) for row in results if row[1].isdigit()) == 50  # each line once

@@ -462,3 +462,16 @@ def _backfill_plan(config: AppConfig, broker: str, keyspace: str, root: Path | N
         txn_size=txn_size,
         shards=shards,
     )
+
+
+def largest_first(plan: BackfillPlan) -> list[int]:
+    """The shards' indexes, those with the most bytes to read first.
+
+    Executors start tasks in this order as slots free up: with the longest
+    tasks first, the last ones to start are short, and no core idles at the
+    end while one long task started late runs on.
+    """
+    def size(index: int) -> int:
+        return sum(j.end - j.begin for j in plan.shards[index].journals)
+
+    return sorted(range(len(plan.shards)), key=size, reverse=True)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streamkit.backfill.errors import BackfillError
-from streamkit.backfill.plan import BackfillPlan
+from streamkit.backfill.plan import BackfillPlan, largest_first
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
@@ -267,19 +267,6 @@ def _unpacked(shipped: str) -> str:
     return str(target)
 
 
-def _largest_first(plan: BackfillPlan) -> list[int]:
-    """The shards' indexes, those with the most bytes to read first.
-
-    Spark starts a job's tasks in partition order as task slots free up:
-    with the longest tasks first, the last ones to start are short, and no
-    core idles at the end while one long task started late runs on.
-    """
-    def size(index: int) -> int:
-        return sum(j.end - j.begin for j in plan.shards[index].journals)
-
-    return sorted(range(len(plan.shards)), key=size, reverse=True)
-
-
 def _report_progress(sc: SparkContext, shards: int, started: float,
                      progress: Callable[[SparkProgress], None], stop: threading.Event) -> None:
     tracker = sc.statusTracker()
@@ -353,7 +340,7 @@ def run_on_spark(
         reporter.start()
     try:
         context.setJobGroup(JOB_GROUP, f"backfill of {len(plan.shards)} shard(s)")
-        order = _largest_first(plan)
+        order = largest_first(plan)
         indexes = context.parallelize(order, max(len(order), 1))
         ran = dict(zip(order, indexes.map(_executor_task(plan, shipped)).collect(), strict=True))
         results: list[dict[str, Any]] = [ran[i] for i in range(len(order))]

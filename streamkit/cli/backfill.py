@@ -1,7 +1,8 @@
 """`streamkit backfill [APP] --spark`: recompute an app's state from its journals' history.
 
 The backfill plans what each shard reads (its source journals up to their
-write heads, or `--end` offsets), runs one Spark task per shard, and hands
+write heads, or `--end` offsets), runs one Spark task per shard (or, with
+`--processes N`, the same tasks in N processes of this machine), and hands
 every shard's result to its recovery log (or SQL database) with a checkpoint
 at the plan's end, so that `streamkit run` goes on live from exactly there.
 Primaries of a `streamkit run` going on meanwhile are fenced by the
@@ -136,6 +137,9 @@ def _progress_printer() -> Any:
 @click.argument("app_dir", default=".", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--spark", "use_spark", is_flag=True,
               help="Run the backfill on Spark (PySpark and Java 17+ needed).")
+@click.option("--processes", type=click.IntRange(1, 256), default=None, metavar="N",
+              help="Instead of Spark, run the shards' tasks in N processes of this machine "
+                   "(no JVM to start: quicker for short histories).")
 @click.option("--plan", "plan_only", is_flag=True,
               help="Print the plan (shards, journals, offsets, fragments) and stop.")
 @click.option("--json", "as_json", is_flag=True, help="With --plan: the plan as JSON.")
@@ -165,7 +169,8 @@ def _progress_printer() -> Any:
               envvar="STREAMKIT_LOG_LEVEL")
 @security_options(dials=True)
 @async_command()
-async def backfill(app_dir: Path, use_spark: bool, plan_only: bool, as_json: bool, master: str,
+async def backfill(app_dir: Path, use_spark: bool, processes: int | None, plan_only: bool,
+                   as_json: bool, master: str,
                    spark_conf: tuple[str, ...], broker: str | None, port: int,
                    keyspace: str | None, fragment_root: Path | None, ends: tuple[str, ...],
                    store: str | None, shards: int | None, txn_size: int | None,
@@ -180,9 +185,12 @@ async def backfill(app_dir: Path, use_spark: bool, plan_only: bool, as_json: boo
     from streamkit.backfill.reshard import apply_layout, finish_layout, next_layout
 
     configure_logging(log_level)
-    if not use_spark and not plan_only:
-        raise CliError("a backfill runs on Spark: add --spark (or --plan to see what it "
-                       "would read)", DATA_ERROR)
+    if use_spark and processes is not None:
+        raise CliError("--spark and --processes: choose one (Spark, or processes of this "
+                       "machine)", DATA_ERROR)
+    if not use_spark and processes is None and not plan_only:
+        raise CliError("a backfill runs on Spark or on this machine: add --spark or "
+                       "--processes N (or --plan to see what it would read)", DATA_ERROR)
     started = time.monotonic()
     spark: asyncio.Future[Any] | None = None
     try:
@@ -224,9 +232,10 @@ async def backfill(app_dir: Path, use_spark: bool, plan_only: bool, as_json: boo
                 else:
                     _echo_plan(plan.summary())
                 return
-            assert spark is not None
-            starting, spark = spark, None  # awaited here: not for the `finally` to do again
-            sc, spark_seconds = await starting  # Java and PySpark work: now change things
+            sc, spark_seconds = None, 0.0
+            if spark is not None:
+                starting, spark = spark, None  # awaited here: not for the `finally` to again
+                sc, spark_seconds = await starting  # Java and PySpark work: now change things
             if resharded is not None:  # new partitions, recovery logs and shard specs
                 retired = await apply_layout(config, client, ks, resharded)
             else:
@@ -234,14 +243,16 @@ async def backfill(app_dir: Path, use_spark: bool, plan_only: bool, as_json: boo
             _echo_plan(plan.summary())
             try:
                 ran = time.monotonic()
-                results = await asyncio.to_thread(_run_spark, plan, sc)
+                results = await asyncio.to_thread(
+                    _run_spark if sc is not None else _run_locally, plan, sc or processes)
                 ran = time.monotonic() - ran
             except BackfillError as error:
                 raise CliError(f"{error}\n(shards handed over before this failure keep "
                                "their backfilled state; a running `streamkit run` must be "
                                "restarted to serve it)") from None
             finally:
-                await asyncio.to_thread(_stop_spark, sc)
+                if sc is not None:
+                    await asyncio.to_thread(_stop_spark, sc)
             if resharded is not None:
                 await finish_layout(ks, config.keyspace_root, resharded)
             restarted = await _restart_running_shards(config, ks, plan)
@@ -253,8 +264,10 @@ async def backfill(app_dir: Path, use_spark: bool, plan_only: bool, as_json: boo
         if restarted:
             click.echo(f"restarted {plural(len(restarted), 'running shard')} on the backfilled "
                        "state (their primaries were fenced)", err=True)
-        click.echo(f"backfill took {time.monotonic() - started:.1f}s (Spark start "
-                   f"{spark_seconds:.1f}s, shards {ran:.1f}s)", err=True)
+        engine = (f"Spark start {spark_seconds:.1f}s" if processes is None
+                  else f"{processes} local process{'es' if processes > 1 else ''}")
+        click.echo(f"backfill took {time.monotonic() - started:.1f}s ({engine}, shards "
+                   f"{ran:.1f}s)", err=True)
     except BackfillError as error:
         raise CliError(str(error)) from None
     finally:
@@ -335,6 +348,12 @@ def _stop_spark(sc: Any) -> None:
     from streamkit.backfill.spark import stop_context
 
     stop_context(sc, exiting=True)  # the command ends right after
+
+
+def _run_locally(plan: Any, processes: int) -> list[dict[str, Any]]:
+    from streamkit.backfill.local import run_locally
+
+    return run_locally(plan, processes, progress=_progress_printer())
 
 
 def _run_spark(plan: Any, sc: Any) -> list[dict[str, Any]]:
