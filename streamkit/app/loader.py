@@ -59,6 +59,14 @@ def import_application(target: str, folder: Path, source: str) -> type[Applicati
 # module of the same name (every template app has an `app`) is replaced, never
 # a module imported by anything else.
 _app_modules: dict[str, Path] = {}
+# App folders this process put on sys.path (a process it starts may not want them there).
+_app_folders: set[str] = set()
+
+
+def path_without_app_folders() -> list[str]:
+    """`sys.path` without the app folders loading apps put there: what a process started
+    afresh to run one app needs, without other apps' modules shadowing anything."""
+    return [p for p in sys.path if p not in _app_folders]
 
 
 def _file_of(module: types.ModuleType) -> str:
@@ -88,6 +96,7 @@ def _import_from(folder: Path, module_name: str, source: str) -> types.ModuleTyp
     if str(folder) in sys.path:
         sys.path.remove(str(folder))
     sys.path.insert(0, str(folder))
+    _app_folders.add(str(folder))
     _forget_other_app(folder, top, source)
     importlib.invalidate_caches()
     try:

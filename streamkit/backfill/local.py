@@ -9,12 +9,15 @@ it finishes, exactly as a Spark task does.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any
 
+from streamkit.app.loader import path_without_app_folders
 from streamkit.backfill.plan import BackfillPlan, largest_first
 from streamkit.backfill.spark import SparkProgress
 from streamkit.backfill.task import run_shard_task
@@ -32,8 +35,9 @@ def run_locally(plan: BackfillPlan, processes: int,
     # Fresh interpreters ("spawn"): this process has gRPC channels, which forking would race.
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max(1, min(processes, len(order))), mp_context=context) as pool:
-        pending: dict[Future[dict[str, Any]], int] = {
-            pool.submit(run_shard_task, plan, index): index for index in order}
+        with _without_app_folders():  # the pool's processes start within the submits
+            pending: dict[Future[dict[str, Any]], int] = {
+                pool.submit(run_shard_task, plan, index): index for index in order}
         try:
             while pending:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -47,3 +51,16 @@ def run_locally(plan: BackfillPlan, processes: int,
             pool.shutdown(wait=True, cancel_futures=True)
             raise
     return [results[index] for index in range(len(order))]
+
+
+@contextlib.contextmanager
+def _without_app_folders() -> Iterator[None]:
+    """sys.path less the app folders loading put first, while processes start: they
+    start with this process's path, where an app's module named like one a library
+    imports (a json.py, say) would shadow it; each task puts its own app's folder back."""
+    saved = sys.path[:]
+    sys.path[:] = path_without_app_folders()
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
