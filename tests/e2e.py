@@ -306,7 +306,24 @@ class AppView:
         return found
 
     async def wait_serving(self, timeout: float = 30.0) -> dict[str, str]:
-        return await eventually(self.serving, timeout, "every shard to have a PRIMARY")
+        try:
+            return await eventually(self.serving, timeout, "every shard to have a PRIMARY")
+        except AssertionError as error:  # say where it is stuck: which shard, which status
+            raise AssertionError(f"{error}\n{await self.describe()}") from None
+
+    async def describe(self) -> str:
+        """Each shard's assignments as the KeySpace has them (member, status, errors)."""
+        state = await self.state()
+        lines = []
+        for shard in self.config.shard_ids():
+            replicas = [
+                f"{a.suffix} slot {a.slot} {consumer_pb.ReplicaStatus.Code.Name(a.status.code)}"
+                + (f" {list(a.status.errors)}" if a.status.errors else "")
+                for a in state.assignments_of(shard)
+            ]
+            lines.append(f"  {shard}: {', '.join(replicas) or 'no assignments'}")
+        members = ", ".join(f"{m.suffix}" for m in state.members)
+        return f"members: {members}\n" + "\n".join(lines)
 
     async def stat(self, endpoint: str, shard: str, read_through: dict[str, int] | None = None,
                    timeout: float = 30.0) -> consumer_pb.StatResponse:

@@ -307,6 +307,7 @@ async def test_fenced_primary_recovers_again(shared_broker: Any, tmp_path: Path)
         await _publish_lines(client, journals["inputs"], first)
         await _wait_processed(service, client, journals["inputs"])
         replica = service.replicas["shard-000"]
+        first_term_app = replica.app
         fs = await recover(client, f"{base}/recovery/shard-000", tmp_path / "other-author")
         await fs.recorder.close()
         second = ["b c d"] * 30
@@ -314,6 +315,9 @@ async def test_fenced_primary_recovers_again(shared_broker: Any, tmp_path: Path)
         await eventually(lambda: replica.status.code == Code.PRIMARY and bool(replica._fences), 20)
         await _wait_processed(service, client, journals["inputs"])
         assert await replica.query({"word": "b"}) == 80
+        # A fence can cut a transaction off mid-way (its words in the app's attributes):
+        # the new term starts from a fresh Application, never from that.
+        assert replica.app is not first_term_app
         await service.stop()
         assert await _read_counts(client, journals["outputs"]) == _expected(first + second)
 

@@ -537,6 +537,15 @@ class Allocator:
     def is_leader(self) -> bool:
         return self._state.leader == self.member
 
+    async def fresh_state(self) -> AllocState:
+        """The application's keys read afresh from the KeySpace, not the watch's view.
+
+        The watch may lag: a decision that must not rest on a stale view (whether a
+        fenced primary takes its shard back) reads this instead.
+        """
+        kvs, revision = await self.keyspace.range(self.root + "/")
+        return build_state(self.root, kvs, revision)
+
     async def wait_for_change(self, after_revision: int) -> AllocState:
         """Wait for a state newer than `after_revision`."""
         while self._state.revision <= after_revision:

@@ -203,13 +203,23 @@ class Member:
         for replica in replicas:
             replica.abandon()
 
-    def _is_primary_here(self, shard_id: str) -> bool:
-        """Whether the KeySpace (as last seen) assigns this member the shard's primary."""
+    async def _is_primary_here(self, shard_id: str) -> bool:
+        """Whether the KeySpace, read now, assigns this member (under its own lease) the
+        shard's primary. Read afresh: a fence often beats the watch's news of the move
+        that caused it, and taking the shard back on that stale view would fence the
+        rightful primary in turn."""
         allocator = self.allocator
-        if allocator is None:
+        if allocator is None or allocator.lease_in_doubt:
             return False
-        primary = allocator.state.primary_of(shard_id)
-        return primary is not None and primary.member == allocator.member
+        try:
+            state = await allocator.fresh_state()
+        except KeySpaceError as error:
+            log.warning("member %s: cannot read the KeySpace (%s); deciding about %s on "
+                        "the watch's view", allocator.member, error, shard_id)
+            state = allocator.state
+        primary = state.primary_of(shard_id)
+        return (primary is not None and primary.member == allocator.member
+                and primary.lease == allocator.lease)
 
     async def stop(self, timeout: float = STOP_TIMEOUT) -> None:
         """Gracefully: primaries commit what they consumed, then the member leaves.

@@ -67,7 +67,7 @@ class Runtime:
     hint_interval: float = 60.0
     # Whether this process should (still) be a shard's primary: asked before a fenced
     # primary recovers again. None: always (no allocator, every shard is primary here).
-    is_primary_here: Callable[[str], bool] | None = None
+    is_primary_here: Callable[[str], Awaitable[bool]] | None = None
     # Logs application hooks that run too long, and ends a process stuck in one.
     watchdog: Watchdog = field(default_factory=Watchdog)
     extra: dict[str, object] = field(default_factory=dict)
@@ -226,7 +226,7 @@ class Replica:
         check = self.runtime.is_primary_here
         now = time.monotonic()
         self._fences = [t for t in self._fences if now - t < _FENCE_WINDOW] + [now]
-        if check is not None and not check(self.id):
+        if check is not None and not await check(self.id):
             log.info("shard %s: fenced by its new primary; stepping down", self.id)
             self._set_status(Code.IDLE)
             return
@@ -295,6 +295,12 @@ class Replica:
 
     async def _primary(self, standby: asyncio.Task[None] | None) -> None:
         shard, runtime = self.shard, self.runtime
+        if self.loop is not None:
+            # A term as primary ended here (fenced, recovering again): its transaction
+            # may have been cut off mid-way, leaving its work in the app's attributes
+            # (a dict of counts, say). The new term must not build on that.
+            self.app = runtime.app_factory()
+            self.loop = None
         if standby is not None and not standby.done():
             # It is at most waiting for the log's head; playback goes on.
             await cancel_and_wait(standby, f"shard {self.id}'s standby")
