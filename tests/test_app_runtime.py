@@ -322,6 +322,46 @@ async def test_fenced_primary_recovers_again(shared_broker: Any, tmp_path: Path)
         assert await _read_counts(client, journals["outputs"]) == _expected(first + second)
 
 
+async def test_fenced_primary_stopped_while_deciding_does_not_recover(
+    shared_broker: Any, tmp_path: Path
+) -> None:
+    """A fenced primary asks whether it is still primary here (a KeySpace read that takes
+    a while); a stop that comes meanwhile wins: no new term starts behind the stop's back
+    (it would play back into the directory the shard's next replica here is given)."""
+    from streamkit.recoverylog.recovery import recover
+
+    asked, answer = asyncio.Event(), asyncio.Event()
+
+    async def still_primary(shard_id: str) -> bool:
+        asked.set()
+        await answer.wait()
+        return True
+
+    async with BrokerClient(shared_broker.address) as client:
+        base = unique_name("app")
+        journals = await _journals(client, base, 1)
+        specs = _specs(base, journals["inputs"])
+        runtime = _runtime(WordCount, client, tmp_path, journals["outputs"])
+        runtime.is_primary_here = still_primary
+        service = Service(runtime)
+        await service.assign(specs, {sid: 0 for sid in specs})
+        await _publish_lines(client, journals["inputs"], ["a b"] * 10)
+        await _wait_processed(service, client, journals["inputs"])
+        replica = service.replicas["shard-000"]
+        fs = await recover(client, f"{base}/recovery/shard-000", tmp_path / "other-author")
+        await fs.recorder.close()
+        await _publish_lines(client, journals["inputs"], ["c d"] * 10)  # its commit is fenced
+        await asyncio.wait_for(asked.wait(), LIVENESS)
+        stopping = asyncio.create_task(service.stop(timeout=5.0))
+        await eventually(lambda: replica.stopping, LIVENESS)  # waiting on the fenced term
+        answer.set()
+        await asyncio.wait_for(stopping, LIVENESS)
+        assert replica.status.code == Code.IDLE
+        assert replica._task is not None and replica._task.done()
+        assert not replica._fences[1:], "it recovered (and was fenced) again"
+        assert replica.store is None and replica.loop is not None  # the term that ended
+
+
 async def test_stop_with_the_broker_gone_abandons_the_transaction(
     broker_proc: Any, tmp_path: Path
 ) -> None:

@@ -230,6 +230,13 @@ class Replica:
             log.info("shard %s: fenced by its new primary; stepping down", self.id)
             self._set_status(Code.IDLE)
             return
+        if self._stopping.is_set():
+            # Stopped while the above awaited: `stop` waits for the task it saw, not
+            # for one started now, which would play back into the directory the
+            # shard's next replica here is given.
+            log.info("shard %s: fenced, and stopped meanwhile; not recovering", self.id)
+            self._set_status(Code.IDLE)
+            return
         if len(self._fences) > _MAX_FENCES:
             self._set_status(Code.FAILED, f"fenced {len(self._fences)} times within "
                              f"{_FENCE_WINDOW:.0f}s; last: {error}")
