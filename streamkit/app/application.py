@@ -7,7 +7,10 @@ consumer transaction at a time:
     begin_txn → consume_message (N times) → finalize_txn → (commit) → finished_txn
 
 Each shard gets an Application instance of its own, so attributes (say, a
-dict of counts accumulated during a transaction) are per shard.
+dict of counts accumulated during a transaction) are per shard; and each term
+as primary gets a new one, so a transaction cut off mid-way (the shard
+fenced by a new author of its recovery log, and recovering again) leaves
+nothing behind in the attributes the next term builds on.
 
 For speed, an application may also implement `consume_messages`, which gets
 a list of committed messages at once (up to a few thousand, all of one
