@@ -129,6 +129,15 @@ class Proc:
         """The end of its output, for assertion messages."""
         return "\n".join(self.text().splitlines()[-lines:])
 
+    def stacks(self, lines: int = 80) -> str:
+        """For a failure's message: the end of its log after it printed where each of its
+        threads is (SIGUSR1, which a streamkit process answers so and runs on)."""
+        if self.alive:
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(0.5)  # the dump is written by the process: give it a moment
+        return self.log(lines)
+
     def kill(self) -> None:
         """SIGKILL: no commit, no goodbye."""
         if self.alive:

@@ -58,3 +58,25 @@ def test_advertise_names_the_broker_in_routes(tmp_path: Path) -> None:
             assert response.status == 204
     finally:
         broker.kill()
+
+
+def test_sigusr1_prints_every_threads_stack_and_serving_goes_on(
+        broker_proc: BrokerProcess) -> None:
+    """`kill -USR1` on a streamkit process (here the broker) writes where each of its threads
+    is to its log, for a process that seems to hang; it keeps serving."""
+    import signal
+    import socket
+    import time
+
+    assert broker_proc.proc is not None
+    before = broker_proc.log_path.read_text()
+    broker_proc.proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while "most recent call first" not in broker_proc.log_path.read_text()[len(before):]:
+        assert time.monotonic() < deadline, "no stacks in the log"
+        time.sleep(0.05)
+    dump = broker_proc.log_path.read_text()[len(before):]
+    assert "Current thread" in dump and "asyncio" in dump  # the serving loop's thread
+    assert broker_proc.proc.poll() is None
+    with socket.create_connection(("127.0.0.1", broker_proc.port), timeout=5):
+        pass  # still accepting

@@ -64,7 +64,11 @@ async def test_sigkill_chaos_keeps_counts_exact(broker_proc: BrokerProcess, tmp_
                     await asyncio.sleep(rng.uniform(0.4, 1.8))
                     moment = "early"
                 else:
-                    await view.wait_serving(timeout=30)
+                    try:
+                        await view.wait_serving(timeout=30)
+                    except AssertionError as error:  # where is the run process stuck?
+                        raise AssertionError(f"{error}\n--- {run.log_path.name}, with its "
+                                             f"stacks:\n{run.stacks()}") from None
                     await asyncio.sleep(rng.uniform(0.0, 1.0))
                     moment = "serving"
                     if dice < 0.45:  # in the middle of a graceful stop
