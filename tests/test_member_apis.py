@@ -166,6 +166,31 @@ async def test_a_port_overlapping_a_running_members_pair_is_refused(
         await running.stop(None)
 
 
+async def test_http_api_started_without_waiting_serves_once_ready_and_stops_while_starting(
+    app: Any, tmp_path: Path
+) -> None:
+    """`wait_http=False` (what `run` and `serve` use, so the member's start overlaps aiohttp's
+    import): the HTTP port listens at once and answers once `ready()` returned; stopping a
+    member whose HTTP API is still starting stops it too (no thread left serving)."""
+    _, config, _, client, keyspace = app
+    apis = await serve_member_apis(_member(config, client, keyspace, tmp_path / "lazy"),
+                                   wait_http=False)
+    try:
+        asking = asyncio.create_task(_http_status(apis.http_port))  # waits in the backlog
+        await apis.runner.ready()
+        assert await asyncio.wait_for(asking, TIMEOUT) == []
+    finally:
+        await apis.stop(None)
+    quick = await serve_member_apis(_member(config, client, keyspace, tmp_path / "quick"),
+                                    wait_http=False)
+    thread = quick.runner._thread  # type: ignore[attr-defined]
+    await quick.runner.cleanup()  # at once, likely before its thread served
+    await quick.server.stop(None)
+    assert not thread.is_alive(), "stopping should wait for the HTTP API's thread to end"
+    with pytest.raises(aiohttp.ClientConnectionError):
+        await _http_status(quick.http_port)
+
+
 async def test_ports_out_of_range_are_refused(app: Any, tmp_path: Path) -> None:
     _, config, _, client, keyspace = app
     member = _member(config, client, keyspace, tmp_path / "m")

@@ -30,31 +30,30 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
+import contextlib
 import logging
 import socket
 import threading
-from typing import Any
-
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from typing import TYPE_CHECKING, Any
 
 from streamkit.app import watchdog
-from streamkit.app.application import QueryError
-from streamkit.app.query_forward import FORWARDED, PrimaryOf, forward_query
 from streamkit.app.replica import Replica
 from streamkit.app.service import Service
-from streamkit.auth.scope import require_shard, shard_allowed
-from streamkit.auth.settings import Security, body_too_large
-from streamkit.auth.tokens import Capability
+from streamkit.auth.settings import Security
 from streamkit.protocol import consumer_pb
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from streamkit.app.http_site import Handlers
+    from streamkit.app.query_forward import PrimaryOf
 
 __all__ = ["HttpApi", "replica_status", "start_http"]
 
 log = logging.getLogger(__name__)
 
 Code = consumer_pb.ReplicaStatus.Code
-_SHUTDOWN_TIMEOUT = 2.0
+SHUTDOWN_TIMEOUT = 2.0  # seconds in-flight requests get when the API stops
 
 
 def replica_status(replica: Replica) -> dict[str, Any]:
@@ -74,113 +73,12 @@ def replica_status(replica: Replica) -> dict[str, Any]:
     }
 
 
-def _capability_for(request: web.Request) -> Capability:
-    """READ to query a shard; LIST for /status and /metrics (and anything else)."""
-    if request.path.startswith("/query/"):
-        return Capability.READ
-    return Capability.LIST
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
-
-
-class _Handlers:
-    def __init__(self, service: Service, member_loop: asyncio.AbstractEventLoop,
-                 query_timeout: float, security: Security,
-                 primary_of: PrimaryOf | None) -> None:
-        self.service = service
-        self.member_loop = member_loop
-        self.query_timeout = query_timeout
-        self.security = security
-        self.primary_of = primary_of
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def status(self, request: web.Request) -> web.Response:
-        replicas = sorted((r for r in self.service.replicas.values()
-                           if shard_allowed(r.id, r.shard.spec.labels)), key=lambda r: r.id)
-        return web.json_response([replica_status(r) for r in replicas])
-
-    async def query(self, request: web.Request) -> web.Response:
-        shard = request.match_info["shard"]
-        replica = self.service.replicas.get(shard)
-        require_shard(shard, replica.shard.spec.labels if replica is not None else None)
-        if replica is None or replica.status.code != Code.PRIMARY:
-            return await self._elsewhere(request, shard, replica)
-        try:
-            body = json.loads(await request.read() or b"null")
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, body_too_large(self.security.max_body))
-        except (ValueError, UnicodeDecodeError) as err:
-            return _error(400, f"the request body is not JSON: {err}")
-        if not isinstance(body, dict):
-            return _error(400, f"the query must be a JSON object (got {type(body).__name__})")
-        answering = asyncio.run_coroutine_threadsafe(_answer(replica, body), self.member_loop)
-        try:
-            async with asyncio.timeout(self.query_timeout):
-                status, text = await asyncio.wrap_future(answering)
-        except TimeoutError:
-            answering.cancel()
-            return _error(503, f"shard {shard} did not answer within {self.query_timeout:g}s"
-                          f"{_stuck_in(replica)}")
-        if status != 200:
-            return _error(status, text)
-        return web.Response(text=text, content_type="application/json")
-
-
-    async def _elsewhere(self, request: web.Request, shard: str,
-                         replica: Replica | None) -> web.Response:
-        """A query of a shard not primary here: forwarded to its primary, unless it was
-        forwarded here already or the shard has no primary elsewhere (404)."""
-        endpoint = None
-        if self.primary_of is not None and FORWARDED not in request.headers:
-            endpoint = self.primary_of(shard)
-        if endpoint is None:
-            if replica is None:
-                return _error(404, f"shard {shard} is not run by this member, and has no "
-                                   "primary elsewhere right now")
-            state = Code.Name(replica.status.code)
-            return _error(404, f"shard {shard} is not primary here (its replica is {state})")
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, body_too_large(self.security.max_body))
-        return await forward_query(endpoint, shard, body, request.headers.get("Authorization"),
-                                   self.security, self.query_timeout)
-
-
-async def _answer(replica: Replica, body: dict[str, Any]) -> tuple[int, str]:
-    """(HTTP status, JSON text or error message) of one query, on the member's loop: the
-    answer is serialized there too, since it may be the application's live state."""
-    try:
-        answer = await replica.query(body)
-    except QueryError as err:
-        return 400, str(err) or type(err).__name__
-    except Exception as err:
-        log.warning("query of shard %s failed: %s: %s", replica.id, type(err).__name__, err)
-        return 500, f"query failed: {type(err).__name__}: {err}"
-    try:
-        return 200, json.dumps(answer)
-    except (TypeError, ValueError) as err:
-        return 500, f"the query's answer is not JSON-serializable: {err}"
-
-
-def _stuck_in(replica: Replica) -> str:
-    """What a 503 adds when the shard is running a hook right now (likely the stuck one)."""
-    loop = replica.loop
-    if loop is None or loop.hooks.current is None:
-        return ""
-    hook, _, _, _ = loop.hooks.describe(loop.hooks.current)
-    return f" (it is running {hook}: see the member's log for where)"
-
-
 class HttpApi:
     """The HTTP API of a member's replicas, served from a thread of its own.
 
-    `start()` returns once the server listens; `cleanup()` stops it (the name of
-    aiohttp's AppRunner method it stands in for).
+    `start()` starts the thread, which imports aiohttp and starts serving, and
+    by default waits until it serves; `ready()` waits (and raises what failed).
+    `cleanup()` stops it (the name of aiohttp's AppRunner method it stands in for).
     """
 
     def __init__(self, service: Service, query_timeout: float | None = None,
@@ -192,29 +90,39 @@ class HttpApi:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
+        self._started: concurrent.futures.Future[None] = concurrent.futures.Future()
 
-    async def start(self, host: str, port: int, sock: socket.socket | None) -> None:
-        handlers = _Handlers(self.service, asyncio.get_running_loop(), self.query_timeout,
-                             self.security, self.primary_of)
-        started: concurrent.futures.Future[None] = concurrent.futures.Future()
+    async def start(self, host: str, port: int, sock: socket.socket | None, *,
+                    wait: bool = True) -> None:
+        """Start serving on `sock` (or `host:port`); with `wait` False, return before the
+        thread serves: a caller with other start-up work awaits `ready()` after it."""
         self._thread = threading.Thread(
-            target=self._serve, args=(handlers, host, port, sock, started),
+            target=self._serve, args=(asyncio.get_running_loop(), host, port, sock),
             name="member HTTP API", daemon=True,
         )
         self._thread.start()
-        await asyncio.wrap_future(started)
+        if wait:
+            await self.ready()
 
-    def _serve(self, handlers: _Handlers, host: str, port: int, sock: socket.socket | None,
-               started: concurrent.futures.Future[None]) -> None:
+    async def ready(self) -> None:
+        """Until the API serves; raises what kept it from serving."""
+        await asyncio.wrap_future(self._started)
+
+    def _serve(self, member_loop: asyncio.AbstractEventLoop, host: str, port: int,
+               sock: socket.socket | None) -> None:
         loop = self._loop = asyncio.new_event_loop()
         try:
+            from streamkit.app.http_site import Handlers, start_site
+
+            handlers: Handlers = Handlers(self.service, member_loop, self.query_timeout,
+                                          self.security, self.primary_of)
             self._runner = loop.run_until_complete(
-                _start_site(handlers, host, port, sock, self.security))
+                start_site(handlers, host, port, sock, self.security))
         except BaseException as err:
-            started.set_exception(err)
+            self._started.set_exception(err)
             loop.close()
             return
-        started.set_result(None)
+        self._started.set_result(None)
         try:
             loop.run_forever()
         finally:
@@ -222,18 +130,20 @@ class HttpApi:
 
     async def cleanup(self) -> None:
         """Stop serving: in-flight requests get aiohttp's shutdown timeout."""
+        with contextlib.suppress(Exception):  # still starting: let it start, then stop it
+            await self.ready()
         loop, runner, thread = self._loop, self._runner, self._thread
         self._runner = self._thread = None
         if loop is None or runner is None or thread is None:
             return
         done = asyncio.run_coroutine_threadsafe(runner.cleanup(), loop)
         try:
-            await asyncio.wait_for(asyncio.wrap_future(done), _SHUTDOWN_TIMEOUT + 1)
+            await asyncio.wait_for(asyncio.wrap_future(done), SHUTDOWN_TIMEOUT + 1)
         except TimeoutError:
-            log.warning("the HTTP API did not stop within %gs", _SHUTDOWN_TIMEOUT + 1)
+            log.warning("the HTTP API did not stop within %gs", SHUTDOWN_TIMEOUT + 1)
         finally:
             loop.call_soon_threadsafe(loop.stop)
-            await asyncio.to_thread(thread.join, _SHUTDOWN_TIMEOUT)
+            await asyncio.to_thread(thread.join, SHUTDOWN_TIMEOUT)
 
 
 async def start_http(
@@ -245,32 +155,13 @@ async def start_http(
     query_timeout: float | None = None,
     security: Security | None = None,
     primary_of: PrimaryOf | None = None,
+    wait: bool = True,
 ) -> HttpApi:
     """Serve the HTTP API of `service`'s replicas on `host:port`, or on `sock` (bound and
     listening on `host`: the caller chose the port for real); stop with `await
     api.cleanup()`. `security`: TLS, Host allow-list (names of `host`) and tokens.
-    `primary_of` finds where to forward a query of a shard not primary here (None: 404)."""
+    `primary_of` finds where to forward a query of a shard not primary here (None: 404).
+    `wait` False: returns while it starts (see `HttpApi.start`)."""
     api = HttpApi(service, query_timeout, security, primary_of)
-    await api.start(host, port, sock)
+    await api.start(host, port, sock, wait=wait)
     return api
-
-
-async def _start_site(
-    handlers: _Handlers, host: str, port: int, sock: socket.socket | None, security: Security
-) -> web.AppRunner:
-    guard = security.http_middleware(_capability_for, host)
-    app = web.Application(client_max_size=security.max_body, middlewares=[guard])
-    app.router.add_get("/metrics", handlers.metrics)
-    app.router.add_get("/status", handlers.status)
-    app.router.add_post("/query/{shard:.+}", handlers.query)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=_SHUTDOWN_TIMEOUT)
-    await runner.setup()
-    try:
-        ssl_context = security.http_ssl_context()
-        site = (web.SockSite(runner, sock, ssl_context=ssl_context) if sock is not None
-                else web.TCPSite(runner, host, port, ssl_context=ssl_context))
-        await site.start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    return runner

@@ -46,7 +46,9 @@ _closers: set[asyncio.Task[None]] = set()
 
 
 class HttpServer(Protocol):
-    """What `start_http` returns, as far as stopping it goes."""
+    """What `start_http` returns, as far as waiting for it and stopping it go."""
+
+    async def ready(self) -> None: ...
 
     async def cleanup(self) -> None: ...
 
@@ -146,6 +148,8 @@ async def serve_member_apis(
     port: int = 0,
     security: Security | None = None,
     advertise: str | None = None,
+    *,
+    wait_http: bool = True,
 ) -> MemberAPIs:
     """Start a member's gRPC Shard API on `port` and its HTTP API on `port + 1`.
 
@@ -156,7 +160,10 @@ async def serve_member_apis(
     by instead), so call this before
     `member.start()` announces the member. Stop with `await apis.stop()` (or
     `await server.stop(grace)` and `await runner.cleanup()`); the Shard API's
-    channels to other members close once its server stopped.
+    channels to other members close once its server stopped. With `wait_http`
+    False the HTTP API may still be starting on its thread (its port already
+    listens, so requests wait in the backlog): await `runner.ready()` after the
+    member's own start, which its start then overlaps.
     """
     if not 0 <= port < 65535:
         raise ValueError(f"port must be 0..65534, the HTTP API taking the next (got {port})")
@@ -188,6 +195,7 @@ async def serve_member_apis(
         runner = await start_http(
             member.service, host, sock=http, query_timeout=member.runtime.watchdog.limit,
             security=security, primary_of=functools.partial(_primary_elsewhere, member),
+            wait=wait_http,
         )
     except BaseException:
         http.close()

@@ -87,6 +87,7 @@ def _import_member_side() -> None:
     """Import the modules the member needs, which `run` does while the bundled broker starts:
     the broker's own imports take about as long, in another process, and the member needs
     it listening before it starts."""
+    import streamkit.app.http_site  # aiohttp: else imported on the HTTP API's thread
     import streamkit.app.member
     import streamkit.app.member_apis
     import streamkit.cli.run_status  # noqa: F401
@@ -130,11 +131,15 @@ async def _member(config: AppConfig, app_class: type, client: BrokerClient, keys
     member = Member(config, app_class, client, keyspace, options)
     try:
         grpc_server, http_runner, _ = await serve_member_apis(member, host, port, security,
-                                                              advertise)
+                                                              advertise, wait_http=False)
     except (OSError, Exposed) as err:
         raise CliError(f"the member cannot serve its APIs: {err}", DATA_ERROR) from None
     try:
-        await member.start()
+        await member.start()  # its shards' take-over overlaps the HTTP API's start
+        try:
+            await http_runner.ready()
+        except OSError as err:
+            raise CliError(f"the member cannot serve its HTTP API: {err}", DATA_ERROR) from None
         yield member
     finally:
         await member.stop(stop_timeout())
