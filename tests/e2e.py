@@ -331,7 +331,7 @@ class AppView:
                 for a in state.assignments_of(shard)
             ]
             lines.append(f"  {shard}: {', '.join(replicas) or 'no assignments'}")
-        members = ", ".join(f"{m.suffix}" for m in state.members)
+        members = ", ".join(m.suffix for m in state.members)
         return f"members: {members}\n" + "\n".join(lines)
 
     async def stat(self, endpoint: str, shard: str, read_through: dict[str, int] | None = None,

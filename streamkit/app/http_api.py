@@ -45,7 +45,6 @@ from streamkit.protocol import consumer_pb
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from streamkit.app.http_site import Handlers
     from streamkit.app.query_forward import PrimaryOf
 
 __all__ = ["HttpApi", "replica_status", "start_http"]
@@ -114,8 +113,8 @@ class HttpApi:
         try:
             from streamkit.app.http_site import Handlers, start_site
 
-            handlers: Handlers = Handlers(self.service, member_loop, self.query_timeout,
-                                          self.security, self.primary_of)
+            handlers = Handlers(self.service, member_loop, self.query_timeout, self.security,
+                                self.primary_of)
             self._runner = loop.run_until_complete(
                 start_site(handlers, host, port, sock, self.security))
         except BaseException as err:

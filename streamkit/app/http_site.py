@@ -87,7 +87,6 @@ class Handlers:
             return _error(status, text)
         return web.Response(text=text, content_type="application/json")
 
-
     async def _elsewhere(self, request: web.Request, shard: str,
                          replica: Replica | None) -> web.Response:
         """A query of a shard not primary here: forwarded to its primary, unless it was
@@ -132,8 +131,6 @@ def _stuck_in(replica: Replica) -> str:
         return ""
     hook, _, _, _ = loop.hooks.describe(loop.hooks.current)
     return f" (it is running {hook}: see the member's log for where)"
-
-
 
 
 async def start_site(
