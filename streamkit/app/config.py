@@ -47,6 +47,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from streamkit.app.app_folder import CONFIG_FILE, data_dir_of
 from streamkit.app.application import Application
 from streamkit.app.loader import ApplicationLoadError, import_application
 from streamkit.app.store_kinds import STORE_KINDS, records_to_log
@@ -93,7 +94,6 @@ __all__ = [
     "load_config",
 ]
 
-CONFIG_FILE = "streamkit.yaml"
 DEFAULT_STORE = "rocksdb"  # when neither streamkit.yaml nor the Application names one
 TOPIC_LABEL = "app.streamkit.dev/topic"  # on every partition of a topic
 APP_LABEL = "app"  # on shard specs and recovery logs: the app's name
@@ -103,7 +103,6 @@ MAX_SHARDS = 1000  # shard ids and partition names keep three digits
 MAX_PARTITIONS = 1000
 MAX_STANDBYS = 8
 HINT_BACKUPS = 2
-DATA_DIR = ".streamkit"
 
 _APPLICATION_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 
@@ -534,7 +533,7 @@ class AppConfig(_Model):
     @property
     def data_dir(self) -> Path:
         """Where the app keeps local data (broker, keyspace, shard directories)."""
-        return self.app_dir / DATA_DIR
+        return data_dir_of(self.app_dir)
 
     def with_store(self, kind: str) -> AppConfig:
         """A copy using store `kind` (as `streamkit run --store` asks); a url stays only for sql."""

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from streamkit.stores.store import Store, StoreError
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the stores are imported when one is built: commands list the kinds first
     from streamkit.app.shard import Shard
     from streamkit.recoverylog.recorded_fs import RecordedFS
+    from streamkit.stores.store import Store
 
 __all__ = ["STORE_KINDS", "build_store", "records_to_log"]
 
@@ -29,6 +28,8 @@ def build_store(
     sql_url: str | None = None,
 ) -> Store:
     """A new store of `kind` for `shard`; `fs` is its recovered directory (None for SQL)."""
+    from streamkit.stores.store import StoreError
+
     if kind == "sql":
         from streamkit.stores.sql import SQLStore
 

@@ -14,21 +14,23 @@ import contextlib
 import ipaddress
 import socket
 import ssl
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
-from streamkit.auth.grpc_auth import ServerAuth, open_channel
-from streamkit.auth.keys import Keys
-from streamkit.auth.signer import Signer
-from streamkit.auth.tls import ClientTls, ServerTls
-from streamkit.auth.tokens import Capability
 from streamkit.errors import StreamkitError
 
 if TYPE_CHECKING:
+    # Imported where used: a command parses its options into a Security before it needs
+    # gRPC or the token stack (`streamkit run` starts its broker first thing).
+    import grpc
+
     from streamkit.auth.http_auth import CapabilityFor
+    from streamkit.auth.http_guards import GuardedRequest, Refusal
+    from streamkit.auth.keys import Keys
+    from streamkit.auth.signer import Signer
+    from streamkit.auth.tls import ClientTls, ServerTls
+    from streamkit.auth.tokens import Capability, Claims
 
 __all__ = ["ANY_HOST", "DEFAULT_MAX_BODY", "DEFAULT_MAX_MESSAGE", "Exposed", "Security",
            "body_too_large", "is_loopback", "is_wildcard"]
@@ -116,6 +118,8 @@ class Security:
 
     def signer(self) -> Signer | None:
         """Per-call tokens for a client; None when there are no keys to sign with."""
+        from streamkit.auth.signer import Signer
+
         return Signer(self.keys) if self.keys is not None else None
 
     def open_channel(
@@ -123,6 +127,8 @@ class Security:
     ) -> grpc.aio.Channel:
         """A channel to `address`: TLS for `https://` (trusting `client_tls`'s CA and
         presenting its certificate), plaintext otherwise. Tokens go per call (`signer`)."""
+        from streamkit.auth.grpc_auth import open_channel
+
         return open_channel(address, tls=self.client_tls, options=options)
 
     # --- servers -------------------------------------------------------------------------
@@ -145,6 +151,8 @@ class Security:
         self, capabilities: Mapping[str, Capability]
     ) -> list[grpc.aio.ServerInterceptor]:
         """The token check for a gRPC server, or nothing when there are no keys."""
+        from streamkit.auth.grpc_auth import ServerAuth
+
         return [ServerAuth(self.keys, capabilities)] if self.keys is not None else []
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
@@ -182,8 +190,17 @@ class Security:
 
         return auth_middleware(self.keys, capability_for, allowed_hosts=self.own_hosts(host))
 
+    def http_guard(
+        self, capability_for: Callable[[Any], Capability | None], host: str
+    ) -> Callable[[GuardedRequest], Claims | Refusal | None]:
+        """The same checks as `http_middleware`, for a server of our own (`http_guards`)."""
+        from streamkit.auth.http_guards import request_guard
+
+        return request_guard(self.keys, capability_for, allowed_hosts=self.own_hosts(host))
+
     def http_ssl_context(self) -> ssl.SSLContext | None:
-        """For an aiohttp server's TCPSite; None for plaintext."""
+        """For an HTTP server (aiohttp's TCPSite, asyncio's start_server); None for
+        plaintext."""
         return self.server_tls.ssl_context() if self.server_tls is not None else None
 
 

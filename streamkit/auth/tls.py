@@ -16,11 +16,13 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-import grpc
-
 from streamkit.errors import StreamkitError
+
+if TYPE_CHECKING:
+    import grpc
 
 __all__ = ["Address", "AddressError", "ClientTls", "ServerTls", "TlsError", "parse_address"]
 
@@ -119,6 +121,8 @@ class ServerTls:
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
         """For `server.add_secure_port(address, ...)`."""
+        import grpc  # on use: a command's options are parsed before gRPC is needed
+
         cert = _read(self.cert, "server certificate file")
         key = _read(self.key, "server key file")
         return grpc.ssl_server_credentials(
@@ -154,6 +158,8 @@ class ClientTls:
 
     def grpc_credentials(self) -> grpc.ChannelCredentials:
         """For `grpc.aio.secure_channel`."""
+        import grpc
+
         return grpc.ssl_channel_credentials(
             root_certificates=_read(self.ca, "trusted CA file"),
             private_key=_read(self.key, "client key file"),

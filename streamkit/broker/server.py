@@ -17,19 +17,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import importlib
 import logging
 import signal
 import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
 from streamkit.auth.grpc_auth import JOURNAL_CAPABILITIES
 from streamkit.auth.settings import Exposed, Security
 from streamkit.auth.tls import TlsError
-from streamkit.broker.http import HttpGateway
 from streamkit.broker.journals import JournalRegistry
 from streamkit.broker.pace import DEFAULT_MIN_APPEND_RATE
 from streamkit.broker.persister import Persister
@@ -39,6 +40,9 @@ from streamkit.errors import StreamkitError
 from streamkit.keyspace import KeySpaceError, open_keyspace
 from streamkit.protocol import pb_grpc
 from streamkit.tasks import cancel_and_wait
+
+if TYPE_CHECKING:
+    from streamkit.broker.http import HttpGateway
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +126,10 @@ class Broker:
             raise OSError(f"cannot listen on {cfg.host}:{cfg.port} (is the port in use?)")
         await self.server.start()
         if cfg.gateway_port:
-            self.gateway = HttpGateway(self.registry, self.service, cfg.shutdown_grace / 3,
+            # aiohttp's import (a tenth of a second) waits until gRPC listens, and runs on
+            # a thread meanwhile: `streamkit run` waits on the gRPC port to go on.
+            http = await asyncio.to_thread(importlib.import_module, "streamkit.broker.http")
+            self.gateway = http.HttpGateway(self.registry, self.service, cfg.shutdown_grace / 3,
                                        cfg.security)
             await self.gateway.start(cfg.host, cfg.gateway_port)
         log.info("broker serving gRPC on %s:%d, HTTP on %s, data in %s (%s)", cfg.host,

@@ -17,7 +17,7 @@ from streamkit.cli.output import plural
 from streamkit.cli.run import app_config, deploy_when_ready, keyspace_url_of
 from streamkit.cli.security_options import security_options
 from streamkit.client import BrokerClient
-from streamkit.client.broker_client import BROKER_ENV
+from streamkit.client.environment import BROKER_ENV
 from streamkit.keyspace import open_keyspace
 
 __all__ = ["deploy"]

@@ -23,13 +23,8 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, ParamSpec
 
 import click
-import grpc
 
-from streamkit.broker.stores import FragmentStoreError
-from streamkit.client.errors import BrokerError, JournalNotFound, TransportError
 from streamkit.errors import StreamkitError
-from streamkit.protocol.labels import SelectorError
-from streamkit.protocol.problems import SpecError
 
 __all__ = [
     "DATA_ERROR",
@@ -87,6 +82,16 @@ def explain(exc: BaseException) -> tuple[list[str], int]:
     """The message lines and exit code for an expected failure; raises if unexpected."""
     if isinstance(exc, CliError):
         return str(exc).splitlines() or [type(exc).__name__], exc.exit_code
+    # Imported here, not at the top: every command imports this module, and only a
+    # failing one needs gRPC's and pydantic's error types (`run` starts its broker
+    # before importing them).
+    import grpc
+
+    from streamkit.broker.stores import FragmentStoreError
+    from streamkit.client.errors import BrokerError, JournalNotFound, TransportError
+    from streamkit.protocol.labels import SelectorError
+    from streamkit.protocol.problems import SpecError
+
     if isinstance(exc, SpecError):
         return [_one_line(str(problem)) for problem in exc.problems], DATA_ERROR
     if isinstance(exc, SelectorError):

@@ -28,7 +28,7 @@ from streamkit.cli.journal_io import read_journals as copy_journals
 from streamkit.cli.output import FORMATS, echo_json, echo_table, format_labels, format_size
 from streamkit.cli.security_options import security_options
 from streamkit.client import BrokerClient, list_journals
-from streamkit.client.broker_client import BROKER_ENV, DEFAULT_ADDRESS
+from streamkit.client.environment import BROKER_ENV, DEFAULT_ADDRESS
 from streamkit.protocol import pb
 from streamkit.protocol.durations import parse_duration
 from streamkit.protocol.labels import label_set, parse_selector

@@ -18,6 +18,11 @@ and check tokens with them. `run` hands them to its workers and its bundled
 broker through the environment (keys stay out of command lines), so with keys
 the bundled broker requires tokens too, and with --tls-cert it serves TLS.
 
+`run` starts its bundled broker and worker processes first thing, then loads
+the app and imports the member's stacks while they start (their start is mostly
+imports too, on the other cores); so this module imports those stacks inside the
+commands, not at its top.
+
 A member that stops itself because one of its loops failed (see
 `streamkit.app.member`) ends `run` and `serve` with exit code 1 and a line naming the loop.
 """
@@ -38,8 +43,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from streamkit.app.config import AppConfig, load_config
-from streamkit.app.layout import check_layout
+from streamkit.app.app_folder import data_dir_of, is_app_folder
 from streamkit.app.store_kinds import STORE_KINDS
 from streamkit.app.waits import first_of
 from streamkit.auth.settings import Exposed, Security
@@ -47,20 +51,18 @@ from streamkit.cli.children import Child, Supervisor, port_in_use, start_child
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command
 from streamkit.cli.logs import configure_logging
 from streamkit.cli.security_options import security_env, security_options
-from streamkit.client import BrokerClient, TransportError
-from streamkit.client.broker_client import BROKER_ENV
-from streamkit.keyspace import open_keyspace
-from streamkit.keyspace.keyspace import KeySpace
-from streamkit.protocol import pb
-from streamkit.protocol.conformance import problems_of
+from streamkit.client.environment import BROKER_ENV
 from streamkit.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
+    from streamkit.app.config import AppConfig
     from streamkit.app.member import Member
     from streamkit.app.watchdog import Stuck
+    from streamkit.client import BrokerClient
+    from streamkit.keyspace.keyspace import KeySpace
 
 __all__ = ["DEFAULT_BROKER_PORT", "app_config", "deploy_when_ready", "keyspace_url_of", "run",
-           "serve", "start_bundled_broker"]
+           "serve", "spawn_bundled_broker", "start_bundled_broker"]
 
 log = logging.getLogger(__name__)
 
@@ -83,19 +85,29 @@ def _stop_timeout() -> float:
     return STOP_TIMEOUT
 
 
-def _import_member_side() -> None:
-    """Import the modules the member needs, which `run` does while the bundled broker starts:
-    the broker's own imports take about as long, in another process, and the member needs
-    it listening before it starts."""
-    import streamkit.app.http_site  # aiohttp: else imported on the HTTP API's thread
+async def _load_app(app_dir: Path, shards: int | None, standbys: int | None,
+                    store: str | None, keyspace_url: str) -> tuple[AppConfig, type]:
+    """The app (`app_config`), checked against its deployed shard count, and the member's
+    modules imported: what `run` does while its bundled broker starts (the broker's own
+    imports take about as long, in another process)."""
+    from streamkit.app.layout import check_layout
+    from streamkit.keyspace import open_keyspace
+
+    config, app_class = app_config(app_dir, shards, standbys, store)
+    async with open_keyspace(keyspace_url) as ks:
+        await check_layout(config, ks)
     import streamkit.app.member
     import streamkit.app.member_apis
     import streamkit.cli.run_status  # noqa: F401
+
+    return config, app_class
 
 
 def app_config(app_dir: Path, shards: int | None, standbys: int | None,
                 store: str | None) -> tuple[AppConfig, type]:
     """The app's streamkit.yaml with the command line's overrides, and its Application."""
+    from streamkit.app.config import load_config
+
     config = load_config(app_dir)
     overrides = {k: v for k, v in (("shards", shards), ("standbys", standbys)) if v is not None}
     if overrides:
@@ -106,7 +118,11 @@ def app_config(app_dir: Path, shards: int | None, standbys: int | None,
 
 
 def keyspace_url_of(config: AppConfig, keyspace: str | None) -> str:
-    return keyspace or str(config.data_dir / "keyspace.db")
+    return _keyspace_url(config.data_dir, keyspace)
+
+
+def _keyspace_url(data_dir: Path, keyspace: str | None) -> str:
+    return keyspace or str(data_dir / "keyspace.db")
 
 
 @contextlib.asynccontextmanager
@@ -171,6 +187,7 @@ async def deploy_when_ready(config: AppConfig, client: BrokerClient, keyspace: K
                              broker: str, timeout: float = 30.0) -> None:
     """Create the app's journals and shards, retrying while the broker is still starting."""
     from streamkit.app.member import deploy
+    from streamkit.client import TransportError
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -231,30 +248,48 @@ async def _until_signalled(supervising: asyncio.Task[None] | None = None,
         raise CliError(f"member {member.options.member_id()} stopped: {member.failure}")
 
 
-def start_bundled_broker(config: AppConfig, port: int, keyspace_url: str,
-                         security: Security | None = None,
-                         meanwhile: Callable[[], object] | None = None) -> Child:
-    """The bundled broker on `port` (HTTP on the next), its pid in .streamkit/broker.pid;
-    with `security`'s keys and certificate (given through its environment). `meanwhile`
-    runs while it starts (its start takes a few tenths of a second, mostly imports)."""
+def spawn_bundled_broker(data_dir: Path, port: int, keyspace_url: str,
+                         security: Security | None = None) -> Child:
+    """The bundled broker on `port` (HTTP on the next), its pid in DATA_DIR/broker.pid;
+    with `security`'s keys and certificate (given through its environment). Started, not
+    yet listening: its start takes a few tenths of a second, mostly imports."""
     if port_in_use(port) or port_in_use(port + 1):
         raise CliError(f"port {port} or {port + 1} is in use: is a broker already running? "
                        f"Pass --broker 127.0.0.1:{port} to use it, or --port to pick others",
                        DATA_ERROR)
-    data = config.data_dir / "broker"
-    child = start_child("the bundled broker", [
-        "broker", "serve", "--data-dir", str(data), "--port", str(port),
-        "--keyspace", keyspace_url], config.data_dir / "broker.log",
-        config.data_dir / "broker.pid",
+    return start_child("the bundled broker", [
+        "broker", "serve", "--data-dir", str(data_dir / "broker"), "--port", str(port),
+        "--keyspace", keyspace_url], data_dir / "broker.log", data_dir / "broker.pid",
         security_env(security, dict(os.environ)) if security is not None else None)
-    if meanwhile is not None:
-        try:
-            meanwhile()
-        except BaseException:  # Ctrl-C, say: stop the broker it was waiting for
-            child.stop(5.0)
-            raise
-    child.wait_listening(port)
+
+
+def start_bundled_broker(config: AppConfig, port: int, keyspace_url: str,
+                         security: Security | None = None) -> Child:
+    """The bundled broker (`spawn_bundled_broker`), once it listens."""
+    child = spawn_bundled_broker(config.data_dir, port, keyspace_url, security)
+    try:
+        child.wait_listening(port)
+    except BaseException:  # Ctrl-C, say: stop the broker it was waiting for
+        child.stop(5.0)
+        raise
     return child
+
+
+def _start_worker(index: int, app_dir: Path, broker: str, keyspace_url: str,
+                  file_root: Path | None, overrides: dict[str, object], workers: int,
+                  log_level: str, security: Security) -> Child:
+    """`streamkit serve` as worker `index` of `run --workers`: the same app, broker,
+    KeySpace and command-line overrides (it loads streamkit.yaml as this process does)."""
+    args = ["serve", str(app_dir), "--broker", broker, "--keyspace", keyspace_url,
+            "--suffix", f"worker-{index}", "--log-level", log_level,
+            "--expect-members", str(workers)]
+    for option, value in overrides.items():
+        if value is not None:
+            args += [f"--{option}", str(value)]
+    if file_root is not None:
+        args += ["--file-root", str(file_root)]
+    return start_child(f"worker {index}", args, data_dir_of(app_dir) / f"worker-{index}.log",
+                       env=security_env(security, dict(os.environ)))
 
 
 @click.command("run")
@@ -290,14 +325,12 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
     --tls-cert and --tls-key they serve TLS (give --tls-ca too, for the members to
     trust it).
     """
-    from streamkit.cli.run_status import StatusView
-
     configure_logging(log_level)
-    config, app_class = app_config(app_dir, shards, standbys, store)
-    config.data_dir.mkdir(parents=True, exist_ok=True)
-    keyspace_url = keyspace_url_of(config, keyspace)
-    async with open_keyspace(keyspace_url) as ks:  # before starting anything
-        await check_layout(config, ks)
+    if not is_app_folder(app_dir):
+        app_config(app_dir, shards, standbys, store)  # raises, saying what is missing
+    data_dir = data_dir_of(app_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    keyspace_url = _keyspace_url(data_dir, keyspace)
     bundled: Supervisor | None = None
     supervising: asyncio.Task[None] | None = None
     workers_: list[Child] = []
@@ -314,25 +347,27 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
         return stopping["timeout"]
 
     try:
+        # The broker and the workers start first (before this process opens gRPC channels:
+        # forking a process with gRPC's threads running is what gRPC warns about), so that
+        # their imports overlap this process's; a bad app or shard count stops them again.
         if broker is None:
-            bundled = Supervisor(start_bundled_broker(config, port, keyspace_url, security,
-                                                      meanwhile=_import_member_side), port)
-            supervising = asyncio.create_task(bundled.run(), name="broker supervisor")
+            bundled = Supervisor(spawn_bundled_broker(data_dir, port, keyspace_url, security),
+                                 port)
             scheme = "https://" if security.server_tls is not None else ""
             broker = f"{scheme}127.0.0.1:{port}"
-            file_root = config.data_dir / "broker" / "fragments"
-        # Workers start before this process opens gRPC channels: forking a process
-        # with gRPC's threads running is what gRPC warns about.
-        for index in range(1, workers):
-            args = ["serve", str(config.app_dir), "--broker", broker, "--keyspace",
-                    keyspace_url, "--shards", str(config.shards), "--suffix", f"worker-{index}",
-                    "--log-level", log_level, "--store", config.store_kind,
-                    "--expect-members", str(workers)]
-            if file_root is not None:
-                args += ["--file-root", str(file_root)]
-            workers_.append(start_child(f"worker {index}", args,
-                                        config.data_dir / f"worker-{index}.log",
-                                        env=security_env(security, dict(os.environ))))
+            file_root = data_dir / "broker" / "fragments"
+        overrides = {"shards": shards, "store": store}
+        workers_.extend(_start_worker(index, app_dir, broker, keyspace_url, file_root,
+                                      overrides, workers, log_level, security)
+                        for index in range(1, workers))
+        config, app_class = await _load_app(app_dir, shards, standbys, store, keyspace_url)
+        if bundled is not None:
+            bundled.child.wait_listening(port)
+            supervising = asyncio.create_task(bundled.run(), name="broker supervisor")
+        from streamkit.cli.run_status import StatusView
+        from streamkit.client import BrokerClient
+        from streamkit.keyspace import open_keyspace
+
         async with BrokerClient(broker, security) as client, open_keyspace(keyspace_url) as ks:
             await deploy_when_ready(config, client, ks, broker)
             await _wait_for_members(config, ks, workers_)
@@ -418,6 +453,12 @@ async def serve(app_dir: Path, broker: str, keyspace: str | None, shards: int | 
     Beyond loopback (--host 0.0.0.0, say) it needs --auth-keys (or client
     certificates required), unless --insecure.
     """
+    from streamkit.app.layout import check_layout
+    from streamkit.client import BrokerClient
+    from streamkit.keyspace import open_keyspace
+    from streamkit.protocol import pb
+    from streamkit.protocol.conformance import problems_of
+
     configure_logging(log_level)
     try:
         security.check_exposure(host, port, "the member")

@@ -26,13 +26,11 @@ from streamkit.auth.signer import Metadata
 from streamkit.auth.tls import AddressError, parse_address
 from streamkit.auth.tokens import Capability
 from streamkit.client.closing import AsyncClosing
+from streamkit.client.environment import BROKER_ENV, DEFAULT_ADDRESS
 from streamkit.protocol import pb, pb_grpc
 
 __all__ = ["BROKER_ENV", "DEFAULT_ADDRESS", "MAX_MESSAGE", "BrokerClient", "normalize_address"]
 
-DEFAULT_ADDRESS = "127.0.0.1:8080"
-# Where a broker address is taken from when none is given: ours, then gazctl's.
-BROKER_ENV = ("STREAMKIT_BROKER", "BROKER_ADDRESS")
 MAX_MESSAGE = 64 << 20
 _ROUTE_CACHE_SIZE = 1024
 _BAD_ENDPOINT_TTL = 60.0  # don't route to an endpoint for this long after it failed
