@@ -43,8 +43,7 @@ from streamkit.auth.settings import Security
 from streamkit.protocol import consumer_pb
 
 if TYPE_CHECKING:
-    from aiohttp import web
-
+    from streamkit.app.http_server import HttpServer
     from streamkit.app.query_forward import PrimaryOf
 
 __all__ = ["HttpApi", "replica_status", "start_http"]
@@ -75,9 +74,9 @@ def replica_status(replica: Replica) -> dict[str, Any]:
 class HttpApi:
     """The HTTP API of a member's replicas, served from a thread of its own.
 
-    `start()` starts the thread, which imports aiohttp and starts serving, and
-    by default waits until it serves; `ready()` waits (and raises what failed).
-    `cleanup()` stops it (the name of aiohttp's AppRunner method it stands in for).
+    `start()` starts the thread, which imports the server's side (`http_site`) and
+    starts serving, and by default waits until it serves; `ready()` waits (and
+    raises what failed). `cleanup()` stops it.
     """
 
     def __init__(self, service: Service, query_timeout: float | None = None,
@@ -87,7 +86,7 @@ class HttpApi:
         self.primary_of = primary_of
         self.query_timeout = watchdog.HOOK_TIMEOUT if query_timeout is None else query_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._runner: web.AppRunner | None = None
+        self._server: HttpServer | None = None
         self._thread: threading.Thread | None = None
         self._started: concurrent.futures.Future[None] = concurrent.futures.Future()
 
@@ -115,7 +114,7 @@ class HttpApi:
 
             handlers = Handlers(self.service, member_loop, self.query_timeout, self.security,
                                 self.primary_of)
-            self._runner = loop.run_until_complete(
+            self._server = loop.run_until_complete(
                 start_site(handlers, host, port, sock, self.security))
         except BaseException as err:
             self._started.set_exception(err)
@@ -128,14 +127,14 @@ class HttpApi:
             loop.close()
 
     async def cleanup(self) -> None:
-        """Stop serving: in-flight requests get aiohttp's shutdown timeout."""
+        """Stop serving: in-flight requests get SHUTDOWN_TIMEOUT seconds to finish."""
         with contextlib.suppress(Exception):  # still starting: let it start, then stop it
             await self.ready()
-        loop, runner, thread = self._loop, self._runner, self._thread
-        self._runner = self._thread = None
-        if loop is None or runner is None or thread is None:
+        loop, server, thread = self._loop, self._server, self._thread
+        self._server = self._thread = None
+        if loop is None or server is None or thread is None:
             return
-        done = asyncio.run_coroutine_threadsafe(runner.cleanup(), loop)
+        done = asyncio.run_coroutine_threadsafe(server.close(SHUTDOWN_TIMEOUT), loop)
         try:
             await asyncio.wait_for(asyncio.wrap_future(done), SHUTDOWN_TIMEOUT + 1)
         except TimeoutError:

@@ -1,7 +1,8 @@
-"""The aiohttp side of a member's HTTP API (see `http_api`): its handlers and its site.
+"""The server side of a member's HTTP API (see `http_api`): its routes and handlers, on
+`http_server`, behind the member's `Security` checks (`http_guards`).
 
-Imported on the HTTP API's own thread when it starts, so that aiohttp's import
-(a tenth of a second) overlaps the member's start instead of preceding it.
+Imported on the HTTP API's own thread when it starts, so that its imports (the
+Prometheus client's, mostly) overlap the member's start instead of preceding it.
 """
 
 from __future__ import annotations
@@ -12,17 +13,18 @@ import logging
 import socket
 from typing import Any
 
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from streamkit.app.application import QueryError
-from streamkit.app.http_api import SHUTDOWN_TIMEOUT, replica_status
+from streamkit.app.http_api import replica_status
+from streamkit.app.http_server import BodyTooLarge, HttpServer, Request, Response, json_response
 from streamkit.app.query_forward import FORWARDED, PrimaryOf, forward_query
 from streamkit.app.replica import Replica
 from streamkit.app.service import Service
-from streamkit.auth.scope import require_shard, shard_allowed
+from streamkit.auth.http_guards import Refusal
+from streamkit.auth.scope import claims_bound, require_shard, shard_allowed
 from streamkit.auth.settings import Security, body_too_large
-from streamkit.auth.tokens import Capability
+from streamkit.auth.tokens import AuthError, Capability
 from streamkit.protocol import consumer_pb
 
 __all__ = ["Handlers", "start_site"]
@@ -32,15 +34,22 @@ log = logging.getLogger(__name__)
 Code = consumer_pb.ReplicaStatus.Code
 
 
-def _capability_for(request: web.Request) -> Capability:
+_QUERY = "/query/"
+
+
+def _capability_for(request: Request) -> Capability:
     """READ to query a shard; LIST for /status and /metrics (and anything else)."""
-    if request.path.startswith("/query/"):
+    if request.path.startswith(_QUERY):
         return Capability.READ
     return Capability.LIST
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+def _error(status: int, message: str) -> Response:
+    return json_response({"error": message}, status)
+
+
+def _refused(refusal: Refusal) -> Response:
+    return Response(refusal.status, f"{refusal.message}\n".encode(), headers=refusal.headers())
 
 
 class Handlers:
@@ -53,23 +62,37 @@ class Handlers:
         self.security = security
         self.primary_of = primary_of
 
-    async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    async def route(self, request: Request) -> Response:
+        """The route's answer: GET (or HEAD) /metrics and /status, POST /query/SHARD."""
+        path, method = request.path, request.method
+        if path.startswith(_QUERY) and len(path) > len(_QUERY):
+            if method == "POST":
+                return await self.query(request, path[len(_QUERY):])
+            allowed = "POST"
+        elif path in ("/metrics", "/status"):
+            if method in ("GET", "HEAD"):
+                return await (self.metrics() if path == "/metrics" else self.status())
+            allowed = "GET, HEAD"
+        else:
+            return Response(404, b"404: Not Found")
+        return Response(405, b"405: Method Not Allowed", headers={"Allow": allowed})
 
-    async def status(self, request: web.Request) -> web.Response:
+    async def metrics(self) -> Response:
+        return Response(body=generate_latest(), content_type=CONTENT_TYPE_LATEST)
+
+    async def status(self) -> Response:
         replicas = sorted((r for r in self.service.replicas.values()
                            if shard_allowed(r.id, r.shard.spec.labels)), key=lambda r: r.id)
-        return web.json_response([replica_status(r) for r in replicas])
+        return json_response([replica_status(r) for r in replicas])
 
-    async def query(self, request: web.Request) -> web.Response:
-        shard = request.match_info["shard"]
+    async def query(self, request: Request, shard: str) -> Response:
         replica = self.service.replicas.get(shard)
         require_shard(shard, replica.shard.spec.labels if replica is not None else None)
         if replica is None or replica.status.code != Code.PRIMARY:
             return await self._elsewhere(request, shard, replica)
         try:
             body = json.loads(await request.read() or b"null")
-        except web.HTTPRequestEntityTooLarge:
+        except BodyTooLarge:
             return _error(413, body_too_large(self.security.max_body))
         except (ValueError, UnicodeDecodeError) as err:
             return _error(400, f"the request body is not JSON: {err}")
@@ -85,10 +108,10 @@ class Handlers:
                           f"{_stuck_in(replica)}")
         if status != 200:
             return _error(status, text)
-        return web.Response(text=text, content_type="application/json")
+        return Response(body=text.encode(), content_type="application/json")
 
-    async def _elsewhere(self, request: web.Request, shard: str,
-                         replica: Replica | None) -> web.Response:
+    async def _elsewhere(self, request: Request, shard: str,
+                         replica: Replica | None) -> Response:
         """A query of a shard not primary here: forwarded to its primary, unless it was
         forwarded here already or the shard has no primary elsewhere (404)."""
         endpoint = None
@@ -102,7 +125,7 @@ class Handlers:
             return _error(404, f"shard {shard} is not primary here (its replica is {state})")
         try:
             body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
+        except BodyTooLarge:
             return _error(413, body_too_large(self.security.max_body))
         return await forward_query(endpoint, shard, body, request.headers.get("Authorization"),
                                    self.security, self.query_timeout)
@@ -135,20 +158,22 @@ def _stuck_in(replica: Replica) -> str:
 
 async def start_site(
     handlers: Handlers, host: str, port: int, sock: socket.socket | None, security: Security
-) -> web.AppRunner:
-    guard = security.http_middleware(_capability_for, host)
-    app = web.Application(client_max_size=security.max_body, middlewares=[guard])
-    app.router.add_get("/metrics", handlers.metrics)
-    app.router.add_get("/status", handlers.status)
-    app.router.add_post("/query/{shard:.+}", handlers.query)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT)
-    await runner.setup()
-    try:
-        ssl_context = security.http_ssl_context()
-        site = (web.SockSite(runner, sock, ssl_context=ssl_context) if sock is not None
-                else web.TCPSite(runner, host, port, ssl_context=ssl_context))
-        await site.start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    return runner
+) -> HttpServer:
+    """Serve `handlers` on `sock` (or host:port), every request checked by `security`'s
+    Host, origin and token rules first."""
+    check = security.http_guard(_capability_for, host)
+
+    async def guarded(request: Request) -> Response:
+        claims = check(request)
+        if isinstance(claims, Refusal):
+            return _refused(claims)
+        with claims_bound(claims):
+            try:
+                return await handlers.route(request)
+            except AuthError as err:
+                return _refused(Refusal.of(err))
+
+    server = HttpServer(guarded, max_body=security.max_body,
+                        ssl_context=security.http_ssl_context())
+    await server.start(host, port, sock)
+    return server

@@ -15,9 +15,7 @@ import logging
 from collections.abc import Callable
 from urllib.parse import quote
 
-import aiohttp
-from aiohttp import web
-
+from streamkit.app.http_server import Response, json_response
 from streamkit.app.member_http import http_url
 from streamkit.auth.settings import Security
 
@@ -33,10 +31,12 @@ PrimaryOf = Callable[[str], str | None]
 async def forward_query(
     endpoint: str, shard: str, body: bytes, authorization: str | None, security: Security,
     timeout: float,
-) -> web.Response:
+) -> Response:
     """The answer of the primary at Shard API `endpoint` to the query `body` about `shard`
     (its status and body as they are); 502 or 504 naming the primary when it can't be
     reached or doesn't answer within `timeout`."""
+    import aiohttp  # its client: on the first forwarded query, not at every member's start
+
     url = f"{http_url(endpoint)}/query/{quote(shard, safe='/')}"
     headers = {"Content-Type": "application/json", FORWARDED: "1"}
     if authorization:
@@ -48,13 +48,12 @@ async def forward_query(
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
             session.post(url, data=body, headers=headers, ssl=ssl_context or True) as answer,
         ):
-            return web.Response(status=answer.status, body=await answer.read(),
-                                content_type=answer.content_type)
+            return Response(answer.status, await answer.read(), answer.content_type)
     except TimeoutError:
-        return web.json_response(
+        return json_response(
             {"error": f"shard {shard}'s primary at {endpoint} did not answer within "
-                      f"{timeout:g}s"}, status=504)
+                      f"{timeout:g}s"}, 504)
     except aiohttp.ClientError as err:
         log.info("forwarding a query of %s to %s failed: %s", shard, endpoint, err)
-        return web.json_response(
-            {"error": f"cannot reach shard {shard}'s primary at {endpoint}: {err}"}, status=502)
+        return json_response(
+            {"error": f"cannot reach shard {shard}'s primary at {endpoint}: {err}"}, 502)
