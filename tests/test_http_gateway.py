@@ -96,3 +96,28 @@ def test_metrics_count_appends(shared_broker, journal) -> None:
     text = _metrics(shared_broker)
     assert _appends_counted(text, journal) == before + 2
     assert "streamkit_broker_reads_open" in text
+
+
+async def test_the_gateway_starts_on_the_first_connection_and_stops_unstarted(tmp_path) -> None:
+    """The broker listens on its HTTP port from the start but imports aiohttp only once a
+    client connects (a broker started beside its consumers keeps that CPU for them); a
+    broker stopped before anyone asked closes the port all the same."""
+    import asyncio
+
+    from streamkit.broker.server import Broker, BrokerConfig
+    from tests.brokerproc import free_port
+
+    for ask in (True, False):
+        port = free_port()
+        broker = Broker(BrokerConfig(data_dir=tmp_path / f"broker-{ask}", port=port))
+        await broker.start()
+        try:
+            assert broker.gateway is None
+            if ask:
+                status, _, _ = await asyncio.to_thread(
+                    _http, "GET", f"http://127.0.0.1:{port + 1}/metrics")
+                assert status == 200 and broker.gateway is not None
+        finally:
+            await broker.stop()
+        with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port + 1), 1):
+            pass

@@ -30,6 +30,7 @@ from streamkit.app.stat_client import find_primary
 from streamkit.auth.grpc_auth import SHARD_CAPABILITIES
 from streamkit.auth.settings import Security
 from streamkit.protocol import consumer_pb2_grpc as consumer_grpc
+from streamkit.sockets import listen
 
 if TYPE_CHECKING:
     from streamkit.app.member import Member
@@ -39,7 +40,6 @@ __all__ = ["MemberAPIs", "serve_member_apis"]
 log = logging.getLogger(__name__)
 
 _ATTEMPTS = 50  # port pairs tried with port 0 before giving up
-_BACKLOG = 128
 
 # Tasks closing a ShardAPI's channels to other members once its server stopped.
 _closers: set[asyncio.Task[None]] = set()
@@ -75,25 +75,6 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """A TCP socket bound and listening on host:port (port 0: the kernel's choice)."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        # As aiohttp's own sites do: a restarted member may reuse a port in TIME_WAIT,
-        # while a port another socket listens on stays refused.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(_BACKLOG)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
 def _grpc_server(security: Security) -> grpc.aio.Server:
     return grpc.aio.server(
         interceptors=security.interceptors(SHARD_CAPABILITIES) or None,
@@ -110,7 +91,7 @@ async def _bind_pair(
     gRPC port is taken. Otherwise exactly port and port + 1, or OSError.
     """
     try:
-        http = _listen(host, port + 1 if port else 0)
+        http = listen(host, port + 1 if port else 0)
     except OSError as err:
         raise OSError(
             err.errno, f"cannot listen on {_address(host, port + 1)} for HTTP: {err.strerror}"

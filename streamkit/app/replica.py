@@ -322,11 +322,14 @@ class Replica:
             store = self.store = self.app.new_store(shard, fs)
         cp = await store.restore_checkpoint(shard.id)
         phases.mark("store")
+        # Independent steps, so concurrent: the recovered state's hints become backup 0 (a
+        # KeySpace write), and the checkpoint's ACKs go out again (appends).
+        steps = [reappend_ack_intents(shard, cp)]
         if fs is not None and runtime.keyspace is not None:
-            await push_backup_hints(runtime.keyspace, shard.spec, await fs.recorder.build_hints())
-        phases.mark("hints")
-        await reappend_ack_intents(shard, cp)
-        phases.mark("acks")
+            hints = await fs.recorder.build_hints()
+            steps.append(push_backup_hints(runtime.keyspace, shard.spec, hints))
+        await asyncio.gather(*steps)
+        phases.mark("hints and acks")
         min_offsets = {s.journal: s.min_offset for s in shard.spec.sources}
         offsets = start_offsets(cp, min_offsets)
         shard.progress.update(offsets, {})

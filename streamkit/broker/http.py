@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import AsyncIterator
 
 from aiohttp import ClientPayloadError, web
@@ -110,7 +111,8 @@ class HttpGateway:
         self.security = security or Security()
         self._runner: web.AppRunner | None = None
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, sock: socket.socket | None = None) -> None:
+        """Serve on host:port, or on `sock` (bound and listening on `host`)."""
         guard = self.security.http_middleware(_capability_for, host)
         app = web.Application(client_max_size=self.security.max_body, middlewares=[guard])
         app.router.add_get("/metrics", self.metrics)
@@ -121,7 +123,9 @@ class HttpGateway:
         )
         await self._runner.setup()
         ssl_context = self.security.http_ssl_context()
-        await web.TCPSite(self._runner, host, port, ssl_context=ssl_context).start()
+        site = (web.SockSite(self._runner, sock, ssl_context=ssl_context) if sock is not None
+                else web.TCPSite(self._runner, host, port, ssl_context=ssl_context))
+        await site.start()
 
     async def stop(self) -> None:
         if self._runner:

@@ -39,6 +39,7 @@ from streamkit.broker.service import APPEND_CHUNK_TIMEOUT, Identity, JournalServ
 from streamkit.errors import StreamkitError
 from streamkit.keyspace import KeySpaceError, open_keyspace
 from streamkit.protocol import pb_grpc
+from streamkit.sockets import listen
 from streamkit.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -93,6 +94,8 @@ class Broker:
         self.registry: JournalRegistry
         self.server: grpc.aio.Server
         self.gateway: HttpGateway | None = None
+        self._gateway_task: asyncio.Task[None] | None = None
+        self._gateway_sock: socket.socket | None = None
         self._refreshed: dict[str, float] = {}
 
     def request_stop(self) -> None:
@@ -126,15 +129,40 @@ class Broker:
             raise OSError(f"cannot listen on {cfg.host}:{cfg.port} (is the port in use?)")
         await self.server.start()
         if cfg.gateway_port:
-            # aiohttp's import (a tenth of a second) waits until gRPC listens, and runs on
-            # a thread meanwhile: `streamkit run` waits on the gRPC port to go on.
-            http = await asyncio.to_thread(importlib.import_module, "streamkit.broker.http")
-            self.gateway = http.HttpGateway(self.registry, self.service, cfg.shutdown_grace / 3,
-                                       cfg.security)
-            await self.gateway.start(cfg.host, cfg.gateway_port)
+            try:
+                sock = listen(cfg.host, cfg.gateway_port)
+            except OSError as err:
+                raise OSError(f"cannot listen on {cfg.host}:{cfg.gateway_port} for HTTP: "
+                              f"{err.strerror}") from None
+            self._gateway_sock = sock
+            self._gateway_task = asyncio.create_task(self._gateway_when_asked(sock))
         log.info("broker serving gRPC on %s:%d, HTTP on %s, data in %s (%s)", cfg.host,
                  cfg.port, cfg.gateway_port or "(off)", cfg.data_dir,
                  cfg.security.describe())
+
+    async def _gateway_when_asked(self, sock: socket.socket) -> None:
+        """Start the HTTP gateway on `sock` once a first client connects to it.
+
+        aiohttp's import costs a tenth of a second of CPU, which a broker starting
+        beside its consumers (`streamkit run`) would take from them; until then the
+        port listens, and the first connection waits in the backlog."""
+        loop = asyncio.get_running_loop()
+        asked = loop.create_future()
+        loop.add_reader(sock.fileno(), lambda: asked.done() or asked.set_result(None))
+        try:
+            await asked
+        finally:  # (stopped before anyone asked: `stop` closes the socket)
+            loop.remove_reader(sock.fileno())
+        try:
+            http = await asyncio.to_thread(importlib.import_module, "streamkit.broker.http")
+            gateway = http.HttpGateway(self.registry, self.service,
+                                       self.config.shutdown_grace / 3, self.config.security)
+            await gateway.start(self.config.host, self.config.gateway_port, sock)
+        except Exception as err:  # the gRPC service serves on without it
+            log.error("the HTTP gateway failed to start: %s: %s", type(err).__name__, err)
+            sock.close()
+            return
+        self.gateway = gateway
 
     async def run(self) -> None:
         """Serve until SIGTERM/SIGINT or `request_stop`, then stop gracefully."""
@@ -161,10 +189,14 @@ class Broker:
         log.info("broker stopping")
         for replica in self.registry.replicas():
             replica.end_reads()  # blocking reads would otherwise hold the servers open
+        if self._gateway_task is not None:
+            await cancel_and_wait(self._gateway_task, "the HTTP gateway's start")
         await asyncio.gather(
             self.server.stop(grace / 3),
             self.gateway.stop() if self.gateway else asyncio.sleep(0),
         )
+        if self._gateway_sock is not None:
+            self._gateway_sock.close()  # if no gateway took it over
         for replica in self.registry.replicas():
             await self._roll_for_shutdown(replica)
         if not await self.persister.drain(grace / 2):
