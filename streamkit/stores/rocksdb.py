@@ -101,6 +101,10 @@ class WriteBatch:
         self.mutations[_key(key)] = None
 
 
+def _nothing() -> None:
+    pass
+
+
 class RocksDBStore(Store):
     """A Store in an embedded RocksDB, recorded to the recovery log of `fs`.
 
@@ -130,6 +134,7 @@ class RocksDBStore(Store):
         self._write_options.sync = sync  # a property in rocksdict, not a setter
         self.observer = DirObserver(self.path, self.fs.recorder) if self.fs else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rocksdbstore")
+        self._thread_started = False
         self._db: rocksdict.Rdict | None = None
         self._pending: dict[bytes, bytes | None] = {}
         self._committing: dict[bytes, bytes | None] = {}
@@ -291,6 +296,12 @@ class RocksDBStore(Store):
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on the store's worker thread (RocksDB calls block)."""
         loop = asyncio.get_running_loop()
+        if not self._thread_started:
+            # The executor starts its thread on the first call, and Thread.start waits until
+            # the thread runs: milliseconds while other threads hold the GIL (eight shards
+            # opening their stores at once), which the event loop would spend blocked.
+            self._thread_started = True
+            await asyncio.to_thread(self._executor.submit, _nothing)
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
 
     def _write_sync(self, mutations: dict[bytes, bytes | None], checkpoint: bytes) -> None:
