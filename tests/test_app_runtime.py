@@ -292,6 +292,31 @@ async def _wait_processed_one(replica: Any, client: BrokerClient, journal: str) 
                            30)
 
 
+async def test_a_primary_writes_hints_once_its_log_grew(shared_broker: Any,
+                                                         tmp_path: Path) -> None:
+    """Long before `hint_interval`, a primary whose recovery log grew by `hint_bytes` writes
+    its hints: a recovery then replays from there, not from the start of a catch-up."""
+    from dataclasses import replace
+
+    from streamkit.app.hints import primary_key
+
+    async with BrokerClient(shared_broker.address) as client:
+        base = unique_name("app")
+        journals = await _journals(client, base, 1)
+        specs = _specs(base, journals["inputs"])
+        runtime = replace(_runtime(WordCount, client, tmp_path, journals["outputs"]),
+                          hint_interval=600.0, hint_bytes=1)
+        assert runtime.keyspace is not None
+        service = Service(runtime)
+        await service.assign(specs, {sid: 0 for sid in specs})
+        key = primary_key(specs["shard-000"])
+        assert await runtime.keyspace.get(key) is None
+        await _publish_lines(client, journals["inputs"], ["a b c"] * 20)
+        await _wait_processed(service, client, journals["inputs"])
+        await eventually(lambda: runtime.keyspace.get(key), 10, "primary hints")
+        await service.stop()
+
+
 async def test_fenced_primary_recovers_again(shared_broker: Any, tmp_path: Path) -> None:
     """Another author takes the recovery log over (as a backfill's hand-over does): the
     primary's next commit fails, it recovers again from the log, and counts stay exact."""

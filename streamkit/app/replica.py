@@ -50,6 +50,7 @@ Code = consumer_pb.ReplicaStatus.Code
 STOP_TIMEOUT = 20.0  # seconds a graceful stop may take before the transaction is abandoned
 _MAX_FENCES = 3  # times a primary may be fenced and recover again within the window
 _FENCE_WINDOW = 60.0
+_HINT_CHECK = 1.0  # seconds between checks of whether a primary is due to write hints
 
 
 @dataclass
@@ -65,6 +66,10 @@ class Runtime:
     keyspace_root: str
     file_root: Path | None = None
     hint_interval: float = 60.0
+    # Recovery-log bytes after which a primary writes hints sooner than hint_interval:
+    # a recovery replays the log from the last hints, so this bounds what a burst of
+    # writes (a catch-up) leaves to replay.
+    hint_bytes: int = 4 << 20
     # Whether this process should (still) be a shard's primary: asked before a fenced
     # primary recovers again. None: always (no allocator, every shard is primary here).
     is_primary_here: Callable[[str], Awaitable[bool]] | None = None
@@ -370,15 +375,20 @@ class Replica:
         self._set_status(Code.IDLE)
 
     async def _write_hints_periodically(self, fs: RecordedFS | None) -> None:
-        keyspace = self.runtime.keyspace
+        """Primary hints every `hint_interval`, or once the log grew by `hint_bytes`."""
+        runtime, keyspace = self.runtime, self.runtime.keyspace
         if fs is None or keyspace is None:
             return
+        loop, recorder = asyncio.get_running_loop(), fs.recorder
+        written_at, hinted_head = loop.time(), recorder.write_head
         while True:
-            await asyncio.sleep(self.runtime.hint_interval)
+            await asyncio.sleep(min(_HINT_CHECK, runtime.hint_interval))
+            if (loop.time() - written_at < runtime.hint_interval
+                    and recorder.write_head - hinted_head < runtime.hint_bytes):
+                continue
+            written_at, hinted_head = loop.time(), recorder.write_head
             try:
-                await store_primary_hints(
-                    keyspace, self.shard.spec, await fs.recorder.build_hints()
-                )
+                await store_primary_hints(keyspace, self.shard.spec, await recorder.build_hints())
             except Exception as error:
                 log.warning("shard %s: writing hints failed: %s", self.id, error)
 
