@@ -12,8 +12,12 @@ from tests.waiting import wait_until  # noqa: F401 (the broker tests' wire.wait_
 
 
 def stub(address: str) -> pb_grpc.JournalStub:
+    """A stub on a channel of its own. Its own subchannels too: by default channels to the
+    same address share them, so a stub made just after a broker restart would inherit the
+    reconnect backoff of a stub that saw the broker die, and fail fast with its error."""
     channel = grpc.insecure_channel(
-        address, options=[("grpc.max_receive_message_length", 64 << 20)]
+        address, options=[("grpc.max_receive_message_length", 64 << 20),
+                          ("grpc.use_local_subchannel_pool", 1)]
     )
     return pb_grpc.JournalStub(channel)
 
