@@ -201,7 +201,8 @@ class HttpServer:
         self.read_timeout, self.idle_timeout = read_timeout, idle_timeout
         self.scheme = "https" if ssl_context is not None else "http"
         self._server: asyncio.Server | None = None
-        self._idle: dict[asyncio.Task[None], bool] = {}  # each connection: awaiting a request?
+        # Each connection's task, and whether it awaits a request (else it is answering one).
+        self._connections: dict[asyncio.Task[None], bool] = {}
         self._closing = False
 
     async def start(self, host: str, port: int, sock: socket.socket | None = None) -> None:
@@ -218,26 +219,26 @@ class HttpServer:
         self._closing = True
         if self._server is not None:
             self._server.close()
-        for task, idle in list(self._idle.items()):
-            if idle:
+        for task, awaiting in list(self._connections.items()):
+            if awaiting:
                 task.cancel()
-        if self._idle:
-            await asyncio.wait(list(self._idle), timeout=grace)
-        for task in list(self._idle):
+        if self._connections:
+            await asyncio.wait(list(self._connections), timeout=grace)
+        for task in list(self._connections):
             task.cancel()
-        await asyncio.gather(*self._idle, return_exceptions=True)
+        await asyncio.gather(*self._connections, return_exceptions=True)
 
     async def _connection(self, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._idle[task] = True
+        self._connections[task] = True
         try:
             await self._requests(reader, writer, task)
         except (ConnectionError, TimeoutError, asyncio.IncompleteReadError, ssl.SSLError):
             pass  # the client went away, or was too slow: nothing to answer
         finally:
-            del self._idle[task]
+            del self._connections[task]
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
@@ -246,7 +247,7 @@ class HttpServer:
                         task: asyncio.Task[None]) -> None:
         timeout = self.read_timeout
         while not self._closing:
-            self._idle[task] = True
+            self._connections[task] = True
             try:
                 async with asyncio.timeout(timeout):
                     head = await reader.readuntil(b"\r\n\r\n")
@@ -256,7 +257,7 @@ class HttpServer:
                 await self._answer(writer, Response(431, b"the request head is too large\n"),
                                    keep_alive=False, head_only=False)
                 return
-            self._idle[task] = False
+            self._connections[task] = False
             timeout = self.idle_timeout
             if not await self._one(head, reader, writer):
                 return

@@ -21,10 +21,10 @@ from streamkit.app.http_server import BodyTooLarge, HttpServer, Request, Respons
 from streamkit.app.query_forward import FORWARDED, PrimaryOf, forward_query
 from streamkit.app.replica import Replica
 from streamkit.app.service import Service
-from streamkit.auth.http_guards import Refusal
-from streamkit.auth.scope import claims_bound, require_shard, shard_allowed
+from streamkit.auth.http_guards import Refusal, guarded
+from streamkit.auth.scope import require_shard, shard_allowed
 from streamkit.auth.settings import Security, body_too_large
-from streamkit.auth.tokens import AuthError, Capability
+from streamkit.auth.tokens import Capability
 from streamkit.protocol import consumer_pb
 
 __all__ = ["Handlers", "start_site"]
@@ -163,17 +163,10 @@ async def start_site(
     Host, origin and token rules first."""
     check = security.http_guard(_capability_for, host)
 
-    async def guarded(request: Request) -> Response:
-        claims = check(request)
-        if isinstance(claims, Refusal):
-            return _refused(claims)
-        with claims_bound(claims):
-            try:
-                return await handlers.route(request)
-            except AuthError as err:
-                return _refused(Refusal.of(err))
+    async def handle(request: Request) -> Response:
+        return await guarded(check, request, handlers.route, _refused)
 
-    server = HttpServer(guarded, max_body=security.max_body,
+    server = HttpServer(handle, max_body=security.max_body,
                         ssl_context=security.http_ssl_context())
     await server.start(host, port, sock)
     return server

@@ -20,11 +20,11 @@ import asyncio
 import functools
 import logging
 import socket
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
 
-from streamkit.app.http_api import start_http
+from streamkit.app.http_api import HttpApi, start_http
 from streamkit.app.shard_api import ShardAPI
 from streamkit.app.stat_client import find_primary
 from streamkit.auth.grpc_auth import SHARD_CAPABILITIES
@@ -45,19 +45,11 @@ _ATTEMPTS = 50  # port pairs tried with port 0 before giving up
 _closers: set[asyncio.Task[None]] = set()
 
 
-class HttpServer(Protocol):
-    """What `start_http` returns, as far as waiting for it and stopping it go."""
-
-    async def ready(self) -> None: ...
-
-    async def cleanup(self) -> None: ...
-
-
 class MemberAPIs(NamedTuple):
     """A member's running APIs: gRPC on `port`, HTTP on `port + 1`."""
 
     server: grpc.aio.Server
-    runner: HttpServer
+    runner: HttpApi
     port: int
 
     @property

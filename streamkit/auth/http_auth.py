@@ -16,11 +16,12 @@ from streamkit.auth.http_guards import (
     SAFE_METHODS,
     Refusal,
     by_method,
+    guarded,
     request_guard,
 )
 from streamkit.auth.keys import Keys
-from streamkit.auth.scope import claims_bound
-from streamkit.auth.tokens import AuthError, Capability, Claims
+from streamkit.auth.scope import current_claims
+from streamkit.auth.tokens import Capability, Claims
 
 __all__ = [
     "CLAIMS_KEY",
@@ -67,14 +68,10 @@ def auth_middleware(
 
     @web.middleware
     async def middleware(request: web.Request, handler):
-        claims = check(request)
-        if isinstance(claims, Refusal):
-            return refused(claims)
-        request[CLAIMS_KEY] = claims
-        with claims_bound(claims):
-            try:
-                return await handler(request)
-            except AuthError as err:
-                return refused(Refusal.of(err))
+        async def with_claims(request: web.Request) -> web.StreamResponse:
+            request[CLAIMS_KEY] = current_claims()
+            return await handler(request)
+
+        return await guarded(check, request, with_claims, refused)
 
     return middleware

@@ -20,16 +20,17 @@ capability). The broker's gateway applies these through aiohttp middleware
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 from urllib.parse import urlsplit
 
 from streamkit.auth.keys import Keys
+from streamkit.auth.scope import claims_bound
 from streamkit.auth.tokens import AuthError, Capability, Claims, Unauthenticated, verify_bearer
 
 __all__ = ["LOOPBACK_HOSTS", "SAFE_METHODS", "GuardedRequest", "Refusal", "by_method",
-           "request_guard"]
+           "guarded", "request_guard"]
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})  # no side effects, so no origin check
@@ -55,6 +56,7 @@ class GuardedRequest(Protocol):
 
 
 R = TypeVar("R", bound=GuardedRequest)
+A = TypeVar("A")  # a server's answer
 
 
 @dataclass(frozen=True)
@@ -163,3 +165,18 @@ def request_guard(
             return Refusal.of(err)
 
     return check
+
+
+async def guarded(check: Callable[[R], Claims | Refusal | None], request: R,
+                  handler: Callable[[R], Awaitable[A]], refuse: Callable[[Refusal], A]) -> A:
+    """`handler`'s answer to `request` if `check` lets it through, with the verified claims
+    bound for it (see `scope`; a PermissionDenied it raises is refused too); else the
+    refusal as `refuse` words it."""
+    claims = check(request)
+    if isinstance(claims, Refusal):
+        return refuse(claims)
+    with claims_bound(claims):
+        try:
+            return await handler(request)
+        except AuthError as err:
+            return refuse(Refusal.of(err))
