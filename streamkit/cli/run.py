@@ -86,16 +86,14 @@ def _stop_timeout() -> float:
 
 
 async def _load_app(app_dir: Path, shards: int | None, standbys: int | None,
-                    store: str | None, keyspace_url: str) -> tuple[AppConfig, type]:
+                    store: str | None, keyspace: KeySpace) -> tuple[AppConfig, type]:
     """The app (`app_config`), checked against its deployed shard count, and the member's
     modules imported: what `run` does while its bundled broker starts (the broker's own
     imports take about as long, in another process)."""
     from streamkit.app.layout import check_layout
-    from streamkit.keyspace import open_keyspace
 
     config, app_class = app_config(app_dir, shards, standbys, store)
-    async with open_keyspace(keyspace_url) as ks:
-        await check_layout(config, ks)
+    await check_layout(config, keyspace)
     import streamkit.app.member
     import streamkit.app.member_apis
     import streamkit.cli.run_status  # noqa: F401
@@ -360,15 +358,17 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
         workers_.extend(_start_worker(index, app_dir, broker, keyspace_url, file_root,
                                       overrides, workers, log_level, security)
                         for index in range(1, workers))
-        config, app_class = await _load_app(app_dir, shards, standbys, store, keyspace_url)
-        if bundled is not None:
-            bundled.child.wait_listening(port)
-            supervising = asyncio.create_task(bundled.run(), name="broker supervisor")
-        from streamkit.cli.run_status import StatusView
         from streamkit.client import BrokerClient
         from streamkit.keyspace import open_keyspace
 
+        # (The client dials on its first call, once the broker listens.)
         async with BrokerClient(broker, security) as client, open_keyspace(keyspace_url) as ks:
+            config, app_class = await _load_app(app_dir, shards, standbys, store, ks)
+            if bundled is not None:
+                bundled.child.wait_listening(port)
+                supervising = asyncio.create_task(bundled.run(), name="broker supervisor")
+            from streamkit.cli.run_status import StatusView
+
             await deploy_when_ready(config, client, ks, broker)
             await _wait_for_members(config, ks, workers_)
             async with _member(config, app_class, client, ks, suffix="worker-0",
