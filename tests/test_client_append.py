@@ -161,3 +161,21 @@ async def test_service_retries_across_broker_restart(
         await asyncio.wait_for(service.flush(), DEADLINE)
         assert (await futures[-1]).commit.end == 5 * len(records)
         assert await read_range(client, journal, 0, 5 * len(records)) == b"".join(records)
+
+
+async def test_service_spills_large_content_and_rolls_back_within_it(client: BrokerClient) -> None:
+    # Content past the AppendBuffer's 1 MiB moves to a temporary file; a rolled-back writer
+    # truncates that file, and the broker gets exactly what was kept.
+    async with AppendService(client) as service:
+        journal = await _journal(client)
+        kept = bytes(range(256)) * 6000  # ~1.5 MiB: spilled
+        append = service.start_append(journal)
+        append.write(kept)
+        append.release()
+        assert append._buffer is not None and append._buffer.spilled
+        with pytest.raises(ValueError), service.start_append(journal) as again:
+            again.write(b"x" * (1 << 20))
+            raise ValueError("rolled back")
+        future = service.append_nowait(journal, b"tail")
+        assert (await future).commit.end == len(kept) + 4
+        assert await read_range(client, journal, 0, len(kept) + 4) == kept + b"tail"

@@ -4,9 +4,9 @@ Per journal the service keeps a FIFO queue of AsyncAppends, served by one
 task that sends them in order, one Append RPC each. While an RPC is in
 flight, new writes to that journal gather in the queue's tail, so many
 small co-occurring appends coalesce into one RPC (Gazette's design). Each
-AsyncAppend buffers its content in a temporary file rather than memory,
-which keeps the heap small and rides out long broker outages, and it can be
-replayed as often as retries need.
+AsyncAppend holds its content in an AppendBuffer: in memory while small, in a
+temporary file once large (which keeps the heap small and rides out long
+broker outages), replayed as often as retries need.
 
 Ordering across journals is expressed with dependencies: an append starts
 only after the OpFutures it depends on have committed, and fails with a
@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import tempfile
 from collections import deque
 from collections.abc import Generator, Iterable, Iterator
 from types import TracebackType
-from typing import IO, Any
+from typing import Any
 
+from streamkit.client.append_buffer import AppendBuffer
 from streamkit.client.appender import CHUNK_SIZE, append_with_retries
 from streamkit.client.broker_client import BrokerClient
 from streamkit.client.closing import AsyncClosing
@@ -39,8 +38,6 @@ __all__ = ["AppendService", "AsyncAppend", "OpFuture", "ServiceClosed"]
 log = logging.getLogger(__name__)
 
 MAX_APPEND_SIZE = 8 << 20  # an AsyncAppend this large takes no more writes
-_FILE_BUFFER = 1 << 20  # write buffer of each AsyncAppend's temporary file
-_SPARE_FILES = 4  # emptied temporary files kept for reuse
 _YIELD_EVERY = 256 << 10  # bytes `append` buffers before letting other tasks run
 
 
@@ -123,14 +120,13 @@ class AsyncAppend:
     """
 
     __slots__ = (
+        "_buffer",
         "_dispatching",
         "_error",
-        "_file",
         "_held",
         "_mark",
         "_queue",
         "_release_waiter",
-        "_size",
         "dependencies",
         "future",
         "journal",
@@ -140,15 +136,14 @@ class AsyncAppend:
         self,
         queue: _JournalQueue,
         dependencies: frozenset[OpFuture],
-        file: IO[bytes] | None,
+        buffer: AppendBuffer | None,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
         self.journal = queue.journal
         self.dependencies = dependencies
         self.future = OpFuture(loop)
         self._queue = queue
-        self._file = file  # None when the journal already failed: writes are dropped
-        self._size = 0
+        self._buffer = buffer  # None when the journal already failed: writes are dropped
         self._mark = 0  # size when the current holder's start_append returned
         self._held = False
         self._dispatching = False
@@ -158,14 +153,12 @@ class AsyncAppend:
     @property
     def size(self) -> int:
         """Bytes of content queued so far."""
-        return self._size
+        return 0 if self._buffer is None else self._buffer.size
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        """Queue `data` (buffered in a temporary file)."""
-        file = self._file
-        if file is not None:
-            file.write(data)
-            self._size += len(data)
+        """Queue `data`."""
+        if self._buffer is not None:
+            self._buffer.write(data)
 
     def require(self, error: BaseException | None) -> AsyncAppend:
         """Remember a non-None `error`: release will roll back and raise it."""
@@ -189,10 +182,8 @@ class AsyncAppend:
             raise error
 
     def _truncate(self, size: int) -> None:
-        if self._file is not None:
-            self._file.seek(size)
-            self._file.truncate()
-            self._size = size
+        if self._buffer is not None:
+            self._buffer.truncate(size)
 
     def __enter__(self) -> AsyncAppend:
         return self
@@ -215,6 +206,12 @@ class AsyncAppend:
             return
         self.release()
 
+    def _free(self) -> None:
+        """Drop the content once sent or failed; later writes are dropped."""
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
+
     async def _released(self) -> None:
         # A loop: another caller may take the tail again before the dispatcher runs.
         while self._held:
@@ -222,13 +219,9 @@ class AsyncAppend:
             await self._release_waiter
 
     def _chunks(self) -> Iterator[bytes]:
-        """The content, read back from the file (again for every retry)."""
-        file = self._file
-        assert file is not None
-        file.flush()
-        fd, size = file.fileno(), self._size
-        for position in range(0, size, CHUNK_SIZE):
-            yield os.pread(fd, min(CHUNK_SIZE, size - position), position)
+        """The content, read back (again for every retry)."""
+        assert self._buffer is not None
+        return self._buffer.chunks(CHUNK_SIZE)
 
 
 class _JournalQueue:
@@ -269,7 +262,6 @@ class AppendService(AsyncClosing):
         self._queues: dict[str, _JournalQueue] = {}
         # journal -> its tail when released and undispatched: `append` writes straight into it.
         self._open_tails: dict[str, AsyncAppend] = {}
-        self._spare_files: list[IO[bytes]] = []
         self._budget = _YIELD_EVERY
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -304,9 +296,8 @@ class AppendService(AsyncClosing):
     ) -> OpFuture:
         """`append` for synchronous callers, who must yield to the event loop regularly."""
         tail = None if dependencies else self._open_tails.get(journal)
-        if tail is not None and tail._size < self.max_append_size:
-            tail._file.write(data)  # type: ignore[union-attr]  # open tails have files
-            tail._size += len(data)
+        if tail is not None and tail.size < self.max_append_size:
+            tail._buffer.write(data)  # type: ignore[union-attr]  # open tails have buffers
         else:
             tail = self.start_append(journal, dependencies)
             tail.write(data)
@@ -336,16 +327,16 @@ class AppendService(AsyncClosing):
                 append is None
                 or append._held
                 or append._dispatching
-                or append._size >= self.max_append_size
+                or append.size >= self.max_append_size
                 or not deps <= append.dependencies
             ):
-                append = AsyncAppend(queue, deps, self._take_file(), loop)
+                append = AsyncAppend(queue, deps, AppendBuffer(), loop)
                 queue.appends.append(append)
                 if queue.task is None:
                     queue.task = loop.create_task(self._serve(queue))
             self._open_tails.pop(journal, None)
         append._held = True
-        append._mark = append._size
+        append._mark = append.size
         return append
 
     def pending_except(self, journal: str) -> list[OpFuture]:
@@ -383,9 +374,6 @@ class AppendService(AsyncClosing):
             if queue.task is not None:
                 await cancel_and_wait(queue.task, f"appending to {queue.journal}")
             self._fail_queue(queue, ServiceClosed("the AppendService was closed"), log_it=False)
-        for file in self._spare_files:
-            file.close()
-        self._spare_files.clear()
 
     # --- dispatching ------------------------------------------------------
 
@@ -410,12 +398,12 @@ class AppendService(AsyncClosing):
                     return
                 queue.appends.popleft()
                 append.future.resolve(response)
-                self._recycle(append)
+                append._free()
         finally:
             queue.task = None
 
     async def _send(self, append: AsyncAppend) -> pb.AppendResponse:
-        if append._size == 0:
+        if append.size == 0:
             return pb.AppendResponse(status=pb.OK)  # everything was rolled back
         return await append_with_retries(self.client, append.journal, append._chunks)
 
@@ -428,25 +416,7 @@ class AppendService(AsyncClosing):
         while queue.appends:
             append = queue.appends.popleft()
             append.future.fail(error)
-            if append._file is not None:
-                append._file.close()
-                append._file = None
-
-    def _take_file(self) -> IO[bytes]:
-        if self._spare_files:
-            return self._spare_files.pop()
-        return tempfile.TemporaryFile(buffering=_FILE_BUFFER)
-
-    def _recycle(self, append: AsyncAppend) -> None:
-        file, append._file = append._file, None
-        if file is None:
-            return
-        if len(self._spare_files) < _SPARE_FILES:
-            file.seek(0)
-            file.truncate()
-            self._spare_files.append(file)
-        else:
-            file.close()
+            append._free()
 
 
 async def _await_dependencies(append: AsyncAppend) -> None:
