@@ -20,7 +20,7 @@ from streamkit.app.replica import Runtime
 from streamkit.app.service import Service
 from streamkit.app.store_kinds import build_store
 from streamkit.client import BrokerClient
-from streamkit.client.append_service import AppendService
+from streamkit.client.append_service import AppendService, OpFuture
 from streamkit.keyspace import open_keyspace
 from streamkit.message.mapping import StaticPartitions, field_key, modulo_mapping
 from streamkit.message.publisher import Publisher
@@ -404,3 +404,39 @@ async def test_stop_with_the_broker_gone_abandons_the_transaction(
         # A liveness bound: that stop returns at all (how soon is for bench/, not a test).
         async with asyncio.timeout(LIVENESS):
             await service.stop(timeout=1.0)
+
+
+class _AcksLost(AppendService):
+    """Drops appends made with dependencies (a commit's ACKs), as if the process died
+    right after each checkpoint became durable."""
+
+    def append_nowait(self, journal: str, data: Any, dependencies: Any = ()) -> Any:
+        if dependencies:
+            return OpFuture.finished()
+        return super().append_nowait(journal, data, dependencies)
+
+
+async def test_a_new_primary_writes_the_acks_its_predecessor_lost(
+        shared_broker: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recovered checkpoint's ACKs are queued again (not waited for, so the primary
+    serves at once): the lost transaction's counts become readable, exactly once."""
+    first = [f"a{i % 7} b{i % 5}" for i in range(60)]
+    second = [f"c{i % 3}" for i in range(30)]  # other words: only the ACKs show the first
+    async with BrokerClient(shared_broker.address) as client:
+        base = unique_name("app")
+        journals = await _journals(client, base, 1)
+        specs = _specs(base, journals["inputs"])
+        with monkeypatch.context() as patch:
+            patch.setattr("streamkit.app.shard.AppendService", _AcksLost)
+            service = Service(_runtime(WordCount, client, tmp_path, journals["outputs"]))
+            await service.assign(specs, {sid: 0 for sid in specs})
+            await _publish_lines(client, journals["inputs"], first)
+            await _wait_processed(service, client, journals["inputs"])
+            await service.stop()
+        assert await _read_counts(client, journals["outputs"]) == {}, "the ACKs were lost"
+        await _publish_lines(client, journals["inputs"], second)
+        service = Service(_runtime(WordCount, client, tmp_path, journals["outputs"]))
+        await service.assign(specs, {sid: 0 for sid in specs})
+        await _wait_processed(service, client, journals["inputs"])
+        await service.stop()
+        assert await _read_counts(client, journals["outputs"]) == _expected(first + second)

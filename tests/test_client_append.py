@@ -140,6 +140,18 @@ async def test_service_failure_propagates(client: BrokerClient) -> None:
         assert (await (OpFuture.finished())).status == 0
 
 
+async def test_service_without_sticky_failures_starts_afresh(client: BrokerClient) -> None:
+    # For independent writers sharing a service (recovered ACKs): a journal that failed
+    # and was then created takes the next append.
+    journal = unique_name("late")
+    async with AppendService(client, sticky_failures=False) as service:
+        with pytest.raises(JournalNotFound):
+            await (await service.append(journal, b"early"))
+        await create_journal(client, journal)
+        assert (await (await service.append(journal, b"late"))).commit.end == 4
+        assert await read_range(client, journal, 0, 4) == b"late"
+
+
 async def test_service_retries_across_broker_restart(
     broker_proc: BrokerProcess, caplog: pytest.LogCaptureFixture
 ) -> None:

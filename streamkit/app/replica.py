@@ -26,9 +26,10 @@ from streamkit.app.hints import load_hints, push_backup_hints, store_primary_hin
 from streamkit.app.publishing import ShardPublisher
 from streamkit.app.shard import Shard, StoreFactory
 from streamkit.app.sources import SourceInput
-from streamkit.app.txn import TransactionFailed, TransactionLoop, reappend_ack_intents
+from streamkit.app.txn import TransactionFailed, TransactionLoop, queue_ack_intents
 from streamkit.app.watchdog import HookRecord, Watchdog
 from streamkit.client import BrokerClient, RegisterMismatch
+from streamkit.client.append_service import AppendService
 from streamkit.keyspace.keyspace import KeySpace
 from streamkit.message.mapping import MappingFunc
 from streamkit.message.publisher import Publisher
@@ -76,6 +77,12 @@ class Runtime:
     # Logs application hooks that run too long, and ends a process stuck in one.
     watchdog: Watchdog = field(default_factory=Watchdog)
     extra: dict[str, object] = field(default_factory=dict)
+    # The ACKs of recovered checkpoints, for every shard here: shards recovering at once
+    # share one append per journal (`queue_ack_intents`). Holds nothing between appends.
+    recovered_acks: AppendService = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.recovered_acks = AppendService(self.client, sticky_failures=False)
 
 
 def is_fenced(error: BaseException) -> bool:
@@ -327,14 +334,12 @@ class Replica:
             store = self.store = self.app.new_store(shard, fs)
         cp = await store.restore_checkpoint(shard.id)
         phases.mark("store")
-        # Independent steps, so concurrent: the recovered state's hints become backup 0 (a
-        # KeySpace write), and the checkpoint's ACKs go out again (appends).
-        steps = [reappend_ack_intents(shard, cp)]
-        if fs is not None and runtime.keyspace is not None:
-            hints = await fs.recorder.build_hints()
-            steps.append(push_backup_hints(runtime.keyspace, shard.spec, hints))
-        await asyncio.gather(*steps)
-        phases.mark("hints and acks")
+        # The checkpoint's ACKs go out again, not waited for: the first transaction's
+        # publishes queue behind them and its commit depends on them (`queue_ack_intents`).
+        queue_ack_intents(shard, cp, runtime.recovered_acks)
+        if fs is not None and runtime.keyspace is not None:  # they become backup 0
+            await push_backup_hints(runtime.keyspace, shard.spec, await fs.recorder.build_hints())
+        phases.mark("hints")
         min_offsets = {s.journal: s.min_offset for s in shard.spec.sources}
         offsets = start_offsets(cp, min_offsets)
         shard.progress.update(offsets, {})

@@ -24,8 +24,10 @@ predicate, `must_close`; the loop around it is a few named steps (see
 ACKs are queued right when the commit starts, with the commit as their
 dependency, so in every journal they precede whatever the next transaction
 publishes, and they are written only once the checkpoint holding them is
-durable. After a crash the next primary appends them again from that
-checkpoint (`reappend_ack_intents`).
+durable. After a crash the next primary queues them again from that
+checkpoint (`queue_ack_intents`) without waiting: queued first, they precede
+its own publishes in their journals, and its first commit depends on them
+(the commit's barrier covers every journal's queue), as Gazette's does.
 
 A poison message -- a source frame that doesn't decode (a BadFrame), or one
 whose consume_message raises -- fails the transaction, unless its source's
@@ -66,7 +68,7 @@ from streamkit.app.shard import Shard
 from streamkit.app.sources import BadFrame, SourceInput
 from streamkit.app.txn_clock import MONOTONIC, TxnClock
 from streamkit.app.watchdog import HookRecord
-from streamkit.client.append_service import OpFuture
+from streamkit.client.append_service import AppendService, OpFuture
 from streamkit.errors import StreamkitError
 from streamkit.message.framings.json_lines import CONTENT_TYPE as NDJSON
 from streamkit.message.framings.json_lines import JsonLinesFraming
@@ -81,6 +83,7 @@ __all__ = [
     "UnskippableFrame",
     "awaitable_hook",
     "must_close",
+    "queue_ack_intents",
     "reappend_ack_intents",
 ]
 
@@ -107,10 +110,24 @@ def awaitable_hook(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
     return call
 
 
+def queue_ack_intents(shard: Shard, cp: consumer_pb.Checkpoint,
+                      via: AppendService | None = None) -> list[OpFuture]:
+    """Queue the restored checkpoint's ACKs again: its transaction may have died before
+    writing them. Whatever the shard appends to those journals afterwards follows them.
+
+    `via` (a service shared by the shards of a process) coalesces the ACKs of shards
+    recovering at once into one append per journal; the shard's own queue then holds an
+    empty append that waits for them (no RPC), so the order and the commit barrier hold.
+    """
+    if via is None:
+        return [shard.appends.append_nowait(j, data) for j, data in cp.ack_intents.items()]
+    return [shard.appends.append_nowait(j, b"", (via.append_nowait(j, data),))
+            for j, data in cp.ack_intents.items()]
+
+
 async def reappend_ack_intents(shard: Shard, cp: consumer_pb.Checkpoint) -> None:
-    """Append the restored checkpoint's ACKs again: its transaction may have died before."""
-    futures = [shard.appends.append_nowait(j, data) for j, data in cp.ack_intents.items()]
-    for future in futures:
+    """`queue_ack_intents`, and wait until they are written."""
+    for future in queue_ack_intents(shard, cp):
         await future
 
 

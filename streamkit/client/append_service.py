@@ -254,11 +254,17 @@ class AppendService(AsyncClosing):
     content written piecewise, or to roll back on an error, use
     `start_append` / `write` / `release`. Close the service (or use
     `async with`) to flush everything and stop its tasks.
+
+    With `sticky_failures=False`, a failure fails the appends queued at the
+    time but not later ones: for writers whose appends need no order among
+    themselves (independent producers sharing one service).
     """
 
-    def __init__(self, client: BrokerClient, *, max_append_size: int = MAX_APPEND_SIZE) -> None:
+    def __init__(self, client: BrokerClient, *, max_append_size: int = MAX_APPEND_SIZE,
+                 sticky_failures: bool = True) -> None:
         self.client = client
         self.max_append_size = max_append_size
+        self.sticky_failures = sticky_failures
         self._queues: dict[str, _JournalQueue] = {}
         # journal -> its tail when released and undispatched: `append` writes straight into it.
         self._open_tails: dict[str, AsyncAppend] = {}
@@ -370,7 +376,7 @@ class AppendService(AsyncClosing):
         self._closed = True
         if flush:
             await self.flush()
-        for queue in self._queues.values():
+        for queue in list(self._queues.values()):
             if queue.task is not None:
                 await cancel_and_wait(queue.task, f"appending to {queue.journal}")
             self._fail_queue(queue, ServiceClosed("the AppendService was closed"), log_it=False)
@@ -417,6 +423,8 @@ class AppendService(AsyncClosing):
             append = queue.appends.popleft()
             append.future.fail(error)
             append._free()
+        if not self.sticky_failures and self._queues.get(queue.journal) is queue:
+            del self._queues[queue.journal]  # the next append starts afresh
 
 
 async def _await_dependencies(append: AsyncAppend) -> None:
