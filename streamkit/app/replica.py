@@ -334,12 +334,10 @@ class Replica:
             store = self.store = self.app.new_store(shard, fs)
         cp = await store.restore_checkpoint(shard.id)
         phases.mark("store")
-        # The checkpoint's ACKs go out again, not waited for: the first transaction's
-        # publishes queue behind them and its commit depends on them (`queue_ack_intents`).
+        # Not waited for: the checkpoint's ACKs (the first transaction's publishes queue
+        # behind them and its commit depends on them: `queue_ack_intents`), and below,
+        # the recovered state's hints (pushed once its ops committed: `_write_hints`).
         queue_ack_intents(shard, cp, runtime.recovered_acks)
-        if fs is not None and runtime.keyspace is not None:  # they become backup 0
-            await push_backup_hints(runtime.keyspace, shard.spec, await fs.recorder.build_hints())
-        phases.mark("hints")
         min_offsets = {s.journal: s.min_offset for s in shard.spec.sources}
         offsets = start_offsets(cp, min_offsets)
         shard.progress.update(offsets, {})
@@ -368,7 +366,7 @@ class Replica:
             ", ".join(f"{j}@{o}" for j, o in sorted(offsets.items())),
             phases,
         )
-        hints_task = asyncio.create_task(self._write_hints_periodically(fs))
+        hints_task = asyncio.create_task(self._write_hints(fs))
         try:
             await self.loop.run(self._stopping)
         finally:
@@ -379,12 +377,22 @@ class Replica:
             await store_primary_hints(runtime.keyspace, shard.spec, await fs.recorder.build_hints())
         self._set_status(Code.IDLE)
 
-    async def _write_hints_periodically(self, fs: RecordedFS | None) -> None:
-        """Primary hints every `hint_interval`, or once the log grew by `hint_bytes`."""
+    async def _write_hints(self, fs: RecordedFS | None) -> None:
+        """The recovered state's hints as backup 0, once the ops they cover committed;
+        then primary hints every `hint_interval`, or once the log grew by `hint_bytes`.
+
+        Backup 0 comes first, so that whatever this primary hints later is not the
+        only hint of it. A failure to write hints is logged: the hints already stored
+        stay good (the log is kept for them), only longer to play back.
+        """
         runtime, keyspace = self.runtime, self.runtime.keyspace
         if fs is None or keyspace is None:
             return
         loop, recorder = asyncio.get_running_loop(), fs.recorder
+        try:
+            await push_backup_hints(keyspace, self.shard.spec, await recorder.build_hints())
+        except Exception as error:
+            log.warning("shard %s: writing backup hints failed: %s", self.id, error)
         written_at, hinted_head = loop.time(), recorder.write_head
         while True:
             await asyncio.sleep(min(_HINT_CHECK, runtime.hint_interval))

@@ -209,11 +209,14 @@ class Player:
     `play` runs until `finish_at_write_head` or `inject_handoff` has been
     called (either before or during playback) and completed, returning the
     recovered FSM. `tailing` is set once playback first reaches the head.
+    After a hand-off, `handoff_end` is the log's offset just past it: where
+    the new author's first op lands at the earliest.
     """
 
     def __init__(self, client: BrokerClient) -> None:
         self.client = client
         self.tailing = asyncio.Event()
+        self.handoff_end = 0
         self.fsm: FSM | None = None
         self.dir: Path | None = None
         self._request: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -376,6 +379,7 @@ class _Playback:
             union_registers=author_fence(self.handoff),
         )
         self.state, self.read_through = _State.READ_HANDOFF, response.commit.end
+        self.player.handoff_end = response.commit.end
 
     # --- one op ----------------------------------------------------------------
 

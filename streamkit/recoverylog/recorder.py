@@ -93,10 +93,15 @@ class Recorder:
         self._task: asyncio.Task[None] | None = None
         self._group_depth = 0
 
-    async def start(self) -> None:
-        """Start dispatching, and learn the write head with a (fenced) barrier."""
+    async def start(self, write_head: int | None = None) -> None:
+        """Start dispatching, and learn the write head with a (fenced) barrier, unless the
+        caller knows it (a Player's hand-off just ended there, fencing everyone else: the
+        first append checks the fence, as the barrier would have)."""
         self._task = asyncio.get_running_loop().create_task(self._serve())
-        await self.barrier()
+        if write_head is None:
+            await self.barrier()
+        else:
+            self.write_head = write_head
 
     async def close(self) -> None:
         """Flush queued ops (raising a failure) and stop the dispatch task.

@@ -66,7 +66,7 @@ class Playback:
         self.player.inject_handoff(author)
         fsm = await self._task
         recorder = Recorder(self.client, self.log, fsm, author)
-        await recorder.start()
+        await recorder.start(write_head=self.player.handoff_end)
         return RecordedFS(self.directory, recorder)
 
     async def cancel(self) -> None:
