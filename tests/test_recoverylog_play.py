@@ -389,8 +389,17 @@ async def test_failed_record_open_closes_the_fd(tmp_path: Path) -> None:
     recorder = Recorder(None, "log", FSM(rpb.FSMHints(log="log")))  # type: ignore[arg-type]
     fs = RecordedFS(tmp_path, recorder)
     recorder._error = RuntimeError("append failed")  # sticky: every record call raises
-    before = len(os.listdir("/proc/self/fd"))
     for _ in range(5):
         with pytest.raises(RuntimeError, match="append failed"):
             fs.open("a", "wb")
-    assert len(os.listdir("/proc/self/fd")) == before
+    # No fd of this process is left on the file (others may come and go meanwhile).
+    target = str(tmp_path / "a")
+    assert [fd for fd in os.listdir("/proc/self/fd")
+            if _link(f"/proc/self/fd/{fd}") == target] == []
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:  # closed since listed
+        return ""
