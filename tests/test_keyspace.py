@@ -288,6 +288,18 @@ async def test_watch_sees_writes_of_another_process(keyspace: KeySpace, backend:
     assert summary(events)[2:4] == [("put", "w/2", r + 3), ("delete", "w/1", r + 4)]
 
 
+async def test_a_busy_sqlite_keyspace_polls_sooner(db: str) -> None:
+    """Right after its head moved, an instance polls every BUSY_POLL, not every
+    poll_interval: another instance's write in that second is seen at once."""
+    async with SQLiteKeySpace(db, poll_interval=600) as ks, SQLiteKeySpace(db) as other:
+        r = await ks.put("mine", b"")  # the head moved: busy
+        watching = asyncio.create_task(collect(ks, "w/", r, r + 1))
+        await asyncio.sleep(0.02)  # the watch is waiting on a poll by now
+        await other.put("w/a", b"1")
+        # (collect's DEADLINE is far below poll_interval)
+        assert summary(await watching) == [("put", "w/a", r + 1)]
+
+
 async def test_watch_from_the_future_waits(keyspace: KeySpace) -> None:
     r = await keyspace.put("a", b"")
     watching = asyncio.create_task(collect(keyspace, "", r + 1, r + 2))

@@ -28,7 +28,10 @@ Lease expiry is lazy: every operation, in any process, first deletes expired
 leases and their keys (one revision, seen by watches like any delete) if
 some are due. A process with an open watch polls the store every
 `poll_interval`, so that poll is the periodic sweep; when nobody touches the
-store, nobody can observe a stale key either.
+store, nobody can observe a stale key either. For a second after the head
+last moved, it polls every `BUSY_POLL` instead: changes come in chains across
+processes (a member joins, the leader assigns, the member takes its shards
+over), and each link would otherwise wait for a poll.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from time import monotonic as _monotonic  # not `time.`: tests fake the wall clock
 from typing import Any, TypeVar
 
 from streamkit.keyspace.keyspace import (
@@ -337,6 +341,10 @@ class _Store:
             return self._drop_leases(head, "id = ?", (lease_id,))
 
 
+BUSY_POLL = 0.005  # seconds between polls while the head moved lately
+_BUSY_FOR = 1.0  # seconds after the head last moved that polls are BUSY_POLL apart
+
+
 class SQLiteKeySpace(KeySpace):
     """A KeySpace in one SQLite file, shared by every process that opens it.
 
@@ -376,6 +384,7 @@ class SQLiteKeySpace(KeySpace):
         self._known_head = 0
         self._head_changed = asyncio.Event()
         self._polled_at = float("-inf")
+        self._moved_at = float("-inf")  # monotonic time the known head last moved
 
     def __repr__(self) -> str:
         return f"SQLiteKeySpace({self._path!r})"
@@ -405,6 +414,7 @@ class SQLiteKeySpace(KeySpace):
     def _saw(self, head: int) -> int:
         if head > self._known_head:
             self._known_head = head
+            self._moved_at = _monotonic()
             self._notify()
         return head
 
@@ -446,7 +456,10 @@ class SQLiteKeySpace(KeySpace):
         loop = asyncio.get_running_loop()
         while self._known_head <= revision:
             self._check_open()
-            wait = self._polled_at + self._poll_interval - loop.time()
+            interval = self._poll_interval
+            if _monotonic() - self._moved_at < _BUSY_FOR:
+                interval = min(interval, BUSY_POLL)
+            wait = self._polled_at + interval - loop.time()
             if wait <= 0:
                 self._polled_at = loop.time()
                 self._saw(await self._call(self._store.head))
