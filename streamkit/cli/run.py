@@ -163,9 +163,10 @@ async def _member(config: AppConfig, app_class: type, client: BrokerClient, keys
 
 async def _wait_for_members(config: AppConfig, keyspace: KeySpace, workers: list[Child],
                             timeout: float = 20.0, poll: float = 0.02) -> None:
-    """Until the worker processes joined, so the first assignment spreads shards over all
-    members instead of moving half of them (and their recovery) a moment later. Polled
-    often (a KeySpace read): the shards wait on this."""
+    """Until the worker processes joined; a worker that exited instead is a CliError
+    with the end of its log. (The members' allocator holds the first assignment back
+    for them, so that it spreads the shards over all members instead of moving half of
+    them, and their recovery, a moment later.) Polled often (a KeySpace read)."""
     prefix = f"{config.keyspace_root}/members/"
     deadline = asyncio.get_running_loop().time() + timeout
     while workers and asyncio.get_running_loop().time() < deadline:
@@ -370,10 +371,12 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
             from streamkit.cli.run_status import StatusView
 
             await deploy_when_ready(config, client, ks, broker)
-            await _wait_for_members(config, ks, workers_)
             async with _member(config, app_class, client, ks, suffix="worker-0",
                                broker_file_root=file_root, stop_timeout=stop_timeout,
                                security=security, expect_members=workers) as member:
+                # The first assignment waits for the workers (`expect_members`); this says
+                # why if one of them exits instead of joining.
+                await _wait_for_members(config, ks, workers_)
                 view = StatusView(config, ks, live=status,
                                   notice=bundled.state if bundled is not None else None,
                                   security=security)
