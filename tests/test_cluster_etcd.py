@@ -255,6 +255,43 @@ async def test_paused_primary_is_fenced_and_commits_nothing(
         assert not exited, f"members exited: {exited}"
 
 
+@pytest.mark.timeout(300)
+async def test_a_lease_in_doubt_while_shards_take_over_serves_them_again(
+        private_etcd: EtcdServer, tmp_path: Path) -> None:
+    """etcd hangs (SIGSTOP) for most of the member's lease TTL as its shards take over, at
+    several moments: the member stops serving while its lease is in doubt, and once
+    keepalives are answered again every shard is PRIMARY there again."""
+    doubted = 0
+    for attempt, delay in enumerate((0.0, 0.05, 0.1, 0.15)):
+        url = private_etcd.url(f"doubt-{attempt}/")
+        app = copy_wordcount(tmp_path / f"wordcount-{attempt}")
+        broker = BrokerProcess(tmp_path / f"broker-{attempt}",
+                               extra_args=["--keyspace", url]).start()
+        log = tmp_path / f"member-{attempt}.log"
+        member = None
+        try:
+            async with AppView(app, broker.address, keyspace=url) as view:
+                await view.state()  # opens the KeySpace
+                await deploy(view.config, view.client, view.keyspace)
+                member = serve_app(app, broker.address, "node-a", log, "--keyspace", url)
+                await eventually(lambda: "Shard API on" in log.read_text(), LIVENESS,  # noqa: B023
+                                 "the member's APIs")
+                await asyncio.sleep(delay)
+                private_etcd.freeze()
+                try:
+                    await asyncio.sleep(0.85)  # TTL 1 s: in doubt from 0.75 s
+                finally:
+                    private_etcd.thaw()
+                await view.wait_serving(LIVENESS)
+            doubted += "in doubt" in log.read_text()
+        finally:
+            if member is not None:
+                member.stop()
+            broker.kill()
+    print(f"lease in doubt in {doubted} of 4 attempts")
+    assert doubted, "etcd's hang never put the lease in doubt: the test proves nothing"
+
+
 async def _member_back(view: AppView, member: str) -> bool:
     state = await view.state()
     return any(m.suffix == member for m in state.members)
