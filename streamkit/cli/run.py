@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 import click
 
 from streamkit.app.app_folder import data_dir_of, is_app_folder
+from streamkit.app.gc_tuning import hold_collections
 from streamkit.app.store_kinds import STORE_KINDS
 from streamkit.app.waits import first_of
 from streamkit.auth.settings import Exposed, Security
@@ -324,6 +325,7 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
     --tls-cert and --tls-key they serve TLS (give --tls-ca too, for the members to
     trust it).
     """
+    hold_collections()  # until the member starts (`_member`)
     configure_logging(log_level)
     if not is_app_folder(app_dir):
         app_config(app_dir, shards, standbys, store)  # raises, saying what is missing
@@ -456,6 +458,7 @@ async def serve(app_dir: Path, broker: str, keyspace: str | None, shards: int | 
     Beyond loopback (--host 0.0.0.0, say) it needs --auth-keys (or client
     certificates required), unless --insecure.
     """
+    hold_collections()  # until the member starts (`_member`)
     from streamkit.app.layout import check_layout
     from streamkit.client import BrokerClient
     from streamkit.keyspace import open_keyspace
