@@ -12,6 +12,7 @@ from streamkit.client import (
     JournalNotFound,
     PolledList,
     append_bytes,
+    apply_journals,
     apply_journals_in_batches,
     get_journal,
     list_fragments,
@@ -47,6 +48,29 @@ async def test_list_and_get_journals(client: BrokerClient) -> None:
     assert spec.name == names[3] and spec.fragment.compression_codec == pb.SNAPPY
     with pytest.raises(JournalNotFound):
         await get_journal(client, f"{prefix}/absent")
+
+
+async def test_list_by_names_matches_as_any_selector(client: BrokerClient) -> None:
+    # The broker looks only at the journals a selector names: the result must be what
+    # matching every journal gives, with the selector's other terms applied too.
+    prefix = unique_name("named")
+    names = [f"{prefix}/{i}" for i in range(4)]
+    for i, name in enumerate(names):
+        await create_journal(client, name, labels={"parity": "even" if i % 2 == 0 else "odd"})
+    chosen = f"{names[3]}, {names[0]}, {names[0]}, {prefix}/absent"
+    assert _names(await list_journals(client, f"name in ({chosen})")) == [names[0], names[3]]
+    assert _names(await list_journals(client, f"name in ({chosen}), parity=odd")) == [names[3]]
+    assert _names(await list_journals(client, f"name in ({chosen}), parity!=odd")) == [names[0]]
+    assert _names(await list_journals(client, f"name={names[1]}")) == [names[1]]
+    # Relabelled: the next List matches the new labels, not what it matched before.
+    [current] = await list_journals(client, f"name={names[0]}")
+    spec = pb.JournalSpec()
+    spec.CopyFrom(current.spec)
+    spec.labels.CopyFrom(pb.LabelSet(labels=[pb.Label(name="parity", value="odd")]))
+    await apply_journals(client, [pb.ApplyRequest.Change(
+        expect_mod_revision=current.mod_revision, upsert=spec)])
+    assert _names(await list_journals(client, f"name in ({chosen}), parity=odd")) == [
+        names[0], names[3]]
 
 
 async def test_apply_in_batches(client: BrokerClient) -> None:

@@ -9,14 +9,20 @@ from streamkit.client import BrokerClient
 from streamkit.client.listing import apply_journals, list_journals
 from streamkit.keyspace.keyspace import KeySpace
 from streamkit.protocol import consumer_pb, pb
+from streamkit.protocol.labels import label_set
 from streamkit.protocol.spec import JournalSpec
 
 __all__ = ["ensure_journals", "ensure_shard_specs"]
 
 
 async def ensure_journals(client: BrokerClient, specs: Iterable[JournalSpec]) -> int:
-    """Create missing journals and update changed ones, in one Apply; how many changed."""
-    existing = {j.spec.name: j for j in await list_journals(client)}
+    """Create missing journals and update changed ones, in one Apply; how many changed.
+    Lists just these journals, by name: not every journal of the broker."""
+    specs = list(specs)
+    if not specs:
+        return 0
+    named = pb.LabelSelector(include=label_set(*(("name", spec.name) for spec in specs)))
+    existing = {j.spec.name: j for j in await list_journals(client, named)}
     changes = []
     for spec in specs:
         proto = spec.to_proto()

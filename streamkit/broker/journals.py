@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from streamkit.broker.faults import JournalUnavailable
@@ -23,6 +23,7 @@ from streamkit.broker.stores import FragmentStore, FragmentStoreError, open_stor
 from streamkit.errors import StreamkitError
 from streamkit.keyspace import Compare, Delete, Event, KeySpace, Put
 from streamkit.protocol import pb
+from streamkit.protocol.labels import labels_with_meta
 from streamkit.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,14 @@ class Entry:
     spec: pb.JournalSpec
     create_revision: int
     mod_revision: int
+    _selectable: pb.LabelSet | None = field(default=None, repr=False, compare=False)
+
+    def selectable(self) -> pb.LabelSet:
+        """The spec's labels and the journal's meta-labels: what List selectors match.
+        Built once (a changed spec gets a new Entry): every List asks for all of them."""
+        if self._selectable is None:
+            self._selectable = labels_with_meta(self.spec.labels, self.spec.name)
+        return self._selectable
 
 
 class ApplyConflict(StreamkitError):

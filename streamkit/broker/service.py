@@ -35,12 +35,7 @@ from streamkit.broker.replica import Replica
 from streamkit.errors import StreamkitError
 from streamkit.protocol import pb, pb_grpc
 from streamkit.protocol.apply import check_apply_changes
-from streamkit.protocol.labels import (
-    labels_with_meta,
-    matches,
-    validate_label_set,
-    validate_selector,
-)
+from streamkit.protocol.labels import matches, validate_label_set, validate_selector
 from streamkit.protocol.spec import journal_name_problem, validate_proto
 
 log = logging.getLogger(__name__)
@@ -88,6 +83,16 @@ class Identity:
 
 def _is_readable(spec: pb.JournalSpec) -> bool:
     return spec.flags != pb.JournalSpec.O_WRONLY
+
+
+def _named(selector: pb.LabelSelector) -> list[str] | None:
+    """The journals a selector names outright (`name=a`, `name in (a, b)`), sorted; None if
+    it does not. A List then looks only at those, not at every journal of the broker (a
+    member's deploy lists its app's journals by name)."""
+    names = [label for label in selector.include.labels if label.name == "name"]
+    if not names or any(label.prefix or not label.value for label in names):
+        return None
+    return sorted({label.value for label in names})
 
 
 class JournalService(pb_grpc.JournalServicer):
@@ -152,9 +157,11 @@ class JournalService(pb_grpc.JournalServicer):
         watch an empty snapshot is just its empty terminator, so the two can't be confused."""
         selected = []
         claims = current_claims()
-        for name in sorted(self.registry.entries):
-            entry = self.registry.entries[name]
-            labels = labels_with_meta(entry.spec.labels, name)
+        entries = self.registry.entries
+        named = _named(selector)
+        for name in sorted(entries) if named is None else [n for n in named if n in entries]:
+            entry = entries[name]
+            labels = entry.selectable()
             if matches(selector, labels) and (claims is None or claims.covers(labels)):
                 selected.append(
                     pb.ListResponse.Journal(
