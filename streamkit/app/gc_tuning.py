@@ -42,8 +42,8 @@ def hold_collections() -> None:
 
 
 def tune_for_throughput() -> None:
-    """Freeze what start-up made, raise the collection thresholds and collect again (after
-    `hold_collections`), once per process.
+    """Freeze what start-up made, raise the collection thresholds and turn the collector
+    (back) on (`hold_collections` turned it off), once per process.
 
     For processes that own their lifetime (a member, a backfill task), not for
     libraries to call on their host's behalf."""
