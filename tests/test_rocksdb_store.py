@@ -305,3 +305,36 @@ async def test_a_log_deposed_during_the_first_open_starts_afresh(
         again, checkpoint = await reopen(client, log, tmp_path / "third")
         assert checkpoint == checkpoint_of(1)
         await close(again)
+
+
+async def test_a_shards_store_has_little_wal_to_replay_whatever_its_history(
+    shared_broker: BrokerProcess, tmp_path: Path
+) -> None:
+    """The store a shard gets replays, at open, only the WAL since its memtable last
+    flushed: a small memtable keeps that bounded while the history keeps growing."""
+    from types import SimpleNamespace
+
+    from streamkit.app.store_kinds import build_store
+    from streamkit.stores.rocksdb import RECOVERED_WRITE_BUFFER
+
+    async with BrokerClient(shared_broker.address) as client:
+        log = await new_log(client)
+        fs = await recover(client, log, tmp_path / "first")
+        store = build_store("rocksdb", SimpleNamespace(id="shard"), fs)  # type: ignore[arg-type]
+        assert isinstance(store, RocksDBStore)
+        await store.restore_checkpoint("shard")
+        written = 0
+        for n in range(1, 601):
+            apply(store, n)
+            written += sum(len(v) if isinstance(v, bytes) else 100
+                           for v in transaction(n).values() if v is not None)
+            await (await store.start_commit("shard", checkpoint_of(n), []))
+        wal = sum(f.stat().st_size for f in (tmp_path / "first").glob("*.log"))
+        assert written > 8 * RECOVERED_WRITE_BUFFER  # a default memtable would hold it all
+        assert wal <= 2 * RECOVERED_WRITE_BUFFER
+        await close(store)
+
+        second, checkpoint = await reopen(client, log, tmp_path / "second")
+        assert checkpoint == checkpoint_of(600)
+        assert dict(second.items()) == model_after(600)
+        await close(second)

@@ -39,9 +39,10 @@ def build_store(
     if fs is None:
         raise StoreError(f"shard {shard.id}: a {kind} store needs a recovery log")
     if kind == "rocksdb":
-        from streamkit.stores.rocksdb import RocksDBStore
+        from streamkit.stores.rocksdb import RECOVERED_WRITE_BUFFER, RocksDBStore, default_options
 
-        return RocksDBStore(fs, sync=False)  # the recovery log is the durable copy
+        options = default_options(write_buffer_size=RECOVERED_WRITE_BUFFER)
+        return RocksDBStore(fs, options, sync=False)  # the recovery log is the durable copy
     if kind == "sqlite":
         from streamkit.stores.sqlite import SQLiteStore
 

@@ -39,7 +39,14 @@ from streamkit.stores.dir_observer import DirObserver, Observation
 from streamkit.stores.store import Store, StoreError
 from streamkit.tasks import wait_finished
 
-__all__ = ["CHECKPOINT_KEY", "RESERVED_PREFIX", "RocksDBStore", "WriteBatch", "default_options"]
+__all__ = [
+    "CHECKPOINT_KEY",
+    "RECOVERED_WRITE_BUFFER",
+    "RESERVED_PREFIX",
+    "RocksDBStore",
+    "WriteBatch",
+    "default_options",
+]
 
 T = TypeVar("T")
 Key = bytes | str
@@ -50,6 +57,12 @@ CHECKPOINT_KEY = RESERVED_PREFIX + b"checkpoint"
 _BYTES, _JSON = b"b", b"j"  # value tags
 MAX_MANIFEST_SIZE = 128 << 10  # small MANIFESTs roll often, so recovery reads little of them
 _MAX_PASSES = 200  # observation passes before a commit gives up on a still directory
+# The memtable of a store rebuilt from a recovery log. Opening the store replays the WAL
+# written since the memtable last flushed, ~30 ms per MiB of memtable here: RocksDB's
+# 64 MiB default would let a restart's cost grow with the history since the last flush
+# (to seconds), where this bounds it. Larger memtables mean less compaction of large
+# states; an Application's `new_store` can pick its own options.
+RECOVERED_WRITE_BUFFER = 1 << 20
 
 
 def default_options(
