@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from streamkit.protocol import consumer_pb
 from streamkit.recoverylog import CONTENT_TYPE, FSM, Recorder, rpb
 from streamkit.recoverylog.recovery import recover
 from streamkit.stores.dir_observer import DirObserver
-from streamkit.stores.rocksdb import RocksDBStore, default_options
+from streamkit.stores.rocksdb import MIN_MEMTABLE, RocksDBStore, default_options
 from streamkit.stores.store import StoreError
 from tests.brokerproc import BrokerProcess
 from tests.helpers_client import create_journal, unique_name
@@ -311,11 +312,11 @@ async def test_a_shards_store_has_little_wal_to_replay_whatever_its_history(
     shared_broker: BrokerProcess, tmp_path: Path
 ) -> None:
     """The store a shard gets replays, at open, only the WAL since its memtable last
-    flushed: a small memtable keeps that bounded while the history keeps growing."""
+    flushed: a memtable sized by the (small) state keeps that bounded while the
+    history keeps growing."""
     from types import SimpleNamespace
 
     from streamkit.app.store_kinds import build_store
-    from streamkit.stores.rocksdb import RECOVERED_WRITE_BUFFER
 
     async with BrokerClient(shared_broker.address) as client:
         log = await new_log(client)
@@ -330,11 +331,27 @@ async def test_a_shards_store_has_little_wal_to_replay_whatever_its_history(
                            for v in transaction(n).values() if v is not None)
             await (await store.start_commit("shard", checkpoint_of(n), []))
         wal = sum(f.stat().st_size for f in (tmp_path / "first").glob("*.log"))
-        assert written > 8 * RECOVERED_WRITE_BUFFER  # a default memtable would hold it all
-        assert wal <= 2 * RECOVERED_WRITE_BUFFER
+        assert written > 32 * MIN_MEMTABLE  # RocksDB's default memtable would hold it all
+        assert wal <= 4 * MIN_MEMTABLE
         await close(store)
 
         second, checkpoint = await reopen(client, log, tmp_path / "second")
         assert checkpoint == checkpoint_of(600)
         assert dict(second.items()) == model_after(600)
         await close(second)
+
+
+async def test_a_growing_state_gets_a_larger_memtable(tmp_path: Path) -> None:
+    """Large states keep large memtables (less compaction); the size follows the SSTs."""
+    store = RocksDBStore(tmp_path / "db", sized_memtable=True)
+    await store.restore_checkpoint("shard")
+    rng = random.Random(7)
+    for n in range(1, 25):  # 24 MiB of distinct, incompressible values
+        with store.write_batch() as batch:
+            for k in range(16):
+                batch.put(f"{n:03d}/{k:02d}", rng.randbytes(64 << 10))
+        await (await store.start_commit("shard", checkpoint_of(n), []))
+    latest_options = max((tmp_path / "db").glob("OPTIONS-*")).read_text()
+    sizes = re.findall(r"^\s*write_buffer_size=(\d+)$", latest_options, re.MULTILINE)
+    assert sizes and int(sizes[0]) >= 8 * MIN_MEMTABLE  # 2 MiB for ~20 MiB of SSTs
+    await close(store)

@@ -39,10 +39,10 @@ def build_store(
     if fs is None:
         raise StoreError(f"shard {shard.id}: a {kind} store needs a recovery log")
     if kind == "rocksdb":
-        from streamkit.stores.rocksdb import RECOVERED_WRITE_BUFFER, RocksDBStore, default_options
+        from streamkit.stores.rocksdb import RocksDBStore
 
-        options = default_options(write_buffer_size=RECOVERED_WRITE_BUFFER)
-        return RocksDBStore(fs, options, sync=False)  # the recovery log is the durable copy
+        # The recovery log is the durable copy; the memtable follows the state's size.
+        return RocksDBStore(fs, sync=False, sized_memtable=True)
     if kind == "sqlite":
         from streamkit.stores.sqlite import SQLiteStore
 

@@ -41,11 +41,11 @@ from streamkit.tasks import wait_finished
 
 __all__ = [
     "CHECKPOINT_KEY",
-    "RECOVERED_WRITE_BUFFER",
     "RESERVED_PREFIX",
     "RocksDBStore",
     "WriteBatch",
     "default_options",
+    "memtable_for",
 ]
 
 T = TypeVar("T")
@@ -57,12 +57,8 @@ CHECKPOINT_KEY = RESERVED_PREFIX + b"checkpoint"
 _BYTES, _JSON = b"b", b"j"  # value tags
 MAX_MANIFEST_SIZE = 128 << 10  # small MANIFESTs roll often, so recovery reads little of them
 _MAX_PASSES = 200  # observation passes before a commit gives up on a still directory
-# The memtable of a store rebuilt from a recovery log. Opening the store replays the WAL
-# written since the memtable last flushed, ~30 ms per MiB of memtable here: RocksDB's
-# 64 MiB default would let a restart's cost grow with the history since the last flush
-# (to seconds), where this bounds it. Larger memtables mean less compaction of large
-# states; an Application's `new_store` can pick its own options.
-RECOVERED_WRITE_BUFFER = 1 << 20
+# Memtable sizes a store picks for itself (see `memtable_for`); the largest is RocksDB's default.
+MIN_MEMTABLE, MAX_MEMTABLE = 256 << 10, 64 << 20
 
 
 def default_options(
@@ -77,6 +73,20 @@ def default_options(
         options.set_target_file_size_base(target_file_size)
         options.set_max_bytes_for_level_base(4 * target_file_size)
     return options
+
+
+def memtable_for(state_bytes: int) -> int:
+    """The memtable size for a database whose SST files hold `state_bytes`.
+
+    A store opened after a crash replays the WAL written since its memtable
+    last flushed, at ~30 ms per MiB of memtable here. RocksDB's fixed 64 MiB
+    would make a small state's restart cost grow with its recent history (to
+    seconds); an eighth of the state keeps the replay in proportion to what
+    playback already costs, while a large state keeps large memtables (and
+    little compaction). Powers of two, so the size changes rarely.
+    """
+    size = min(MAX_MEMTABLE, max(MIN_MEMTABLE, state_bytes // 8))
+    return 1 << (size.bit_length() - 1)
 
 
 def _key(key: Key) -> bytes:
@@ -99,6 +109,14 @@ def _decode(raw: bytes) -> Any:
     if tag == _JSON:
         return orjson.loads(body)
     raise StoreError(f"value with unknown tag {tag!r}: not written by RocksDBStore")
+
+
+def _sst_bytes(directory: Path) -> int:
+    try:
+        with os.scandir(directory) as entries:
+            return sum(e.stat().st_size for e in entries if e.name.endswith(".sst"))
+    except FileNotFoundError:  # a new database
+        return 0
 
 
 class WriteBatch:
@@ -137,6 +155,7 @@ class RocksDBStore(Store):
         options: rocksdict.Options | None = None,
         *,
         sync: bool = True,
+        sized_memtable: bool = False,
     ) -> None:
         self.fs = fs if isinstance(fs, RecordedFS) else None
         self.path = fs.root if isinstance(fs, RecordedFS) else Path(fs)
@@ -145,6 +164,7 @@ class RocksDBStore(Store):
         self._options.set_max_manifest_file_size(MAX_MANIFEST_SIZE)
         self._write_options = rocksdict.WriteOptions()
         self._write_options.sync = sync  # a property in rocksdict, not a setter
+        self._memtable = 0 if sized_memtable else None  # the size set last; None: the options'
         self.observer = DirObserver(self.path, self.fs.recorder) if self.fs else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rocksdbstore")
         self._thread_started = False
@@ -218,6 +238,9 @@ class RocksDBStore(Store):
             if self.observer is not None:
                 self._discard_half_created()
                 self.observer.adopt()
+            if self._memtable is not None:
+                self._memtable = memtable_for(_sst_bytes(self.path))
+                self._options.set_write_buffer_size(self._memtable)
             self._db = await self._call(rocksdict.Rdict, str(self.path), self._options)
             await self._call(self._check_raw_mode)
             if self.observer is not None:
@@ -333,7 +356,17 @@ class RocksDBStore(Store):
                         ) -> Observation | None:
         """Write, then make the first observation pass: one trip to the worker thread."""
         self._write_sync(mutations, checkpoint)
+        self._grow_memtable()
         return None if self.observer is None else self.observer.scan()
+
+    def _grow_memtable(self) -> None:
+        """Follow a growing state with the memtable (a shrinking one waits for the next open)."""
+        if self._memtable is None or self._db is None:
+            return
+        wanted = memtable_for(self._db.property_int_value("rocksdb.total-sst-files-size") or 0)
+        if wanted > self._memtable:
+            self._db.set_options({"write_buffer_size": str(wanted)})
+            self._memtable = wanted
 
     async def _record(self, first: Observation | None = None) -> None:
         """Record the directory's changes since the last commit point, up to a stable pass."""
