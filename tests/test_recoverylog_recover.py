@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import signal
 from pathlib import Path
 
 import pytest
 
 from streamkit.client import BrokerClient, RegisterMismatch
-from streamkit.recoverylog import CONTENT_TYPE, rpb
-from streamkit.recoverylog.recovery import recover
+from streamkit.recoverylog import CONTENT_TYPE, recovery, rpb
+from streamkit.recoverylog.recovery import Playback, recover
 from tests.brokerproc import BrokerProcess
-from tests.helpers_client import create_journal, unique_name
+from tests.helpers_client import create_journal, eventually, unique_name
 
 
 async def test_recover_rebuilds_and_fences_the_previous_recorder(
@@ -43,3 +46,43 @@ async def test_recover_rebuilds_and_fences_the_previous_recorder(
 async def test_recover_refuses_hints_of_another_log(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="hints are of log"):
         await recover(None, "a/log", tmp_path, rpb.FSMHints(log="another/log"))  # type: ignore[arg-type]
+
+
+async def test_a_take_over_held_up_by_a_hung_broker_says_where_it_is(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A take-over that keeps playing (here: its broker SIGSTOPped, connections open)
+    says every SLOW_TAKE_OVER where playback is, and finishes once the broker is back;
+    one cancelled meanwhile stops its playback too (which removes the directory)."""
+    monkeypatch.setattr(recovery, "SLOW_TAKE_OVER", 0.2)
+    caplog.set_level(logging.WARNING, logger=recovery.__name__)
+    broker = BrokerProcess(tmp_path / "broker").start()
+    try:
+        async with BrokerClient(broker.address) as client:
+            log = unique_name("slow-take-over")
+            await create_journal(client, log, labels={"content-type": CONTENT_TYPE})
+            first = await recover(client, log, tmp_path / "first")
+            with first.open("state.json", "wb") as f:
+                f.write(b'{"n": 1}')
+            await first.fsync()
+            await first.recorder.close()
+
+            broker.proc.send_signal(signal.SIGSTOP)
+            try:
+                abandoned = Playback(client, log, tmp_path / "abandoned")
+                abandoning = asyncio.ensure_future(abandoned.take_over())
+                taking = asyncio.ensure_future(recover(client, log, tmp_path / "second"))
+                await eventually(lambda: caplog.text.count("still playing after") >= 4, 10,
+                                 "reports of the slow take-overs")
+                abandoning.cancel()
+                await eventually(lambda: not (tmp_path / "abandoned").exists(), 10,
+                                 "the cancelled playback to clean up")
+            finally:
+                broker.proc.send_signal(signal.SIGCONT)
+            second = await asyncio.wait_for(taking, 30)
+            assert (tmp_path / "second" / "state.json").read_bytes() == b'{"n": 1}'
+            await second.recorder.close()
+            assert f"taking over {log}: still playing after" in caplog.text
+            assert "backfill at " in caplog.text  # where: still reading up to the head
+    finally:
+        broker.kill()

@@ -221,6 +221,16 @@ class Player:
         self.dir: Path | None = None
         self._request: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._reader = _LogReader(client)
+        self._playback: _Playback | None = None
+
+    def progress(self) -> str:
+        """Where playback is, for a person wondering why it takes so long."""
+        playback, reader = self._playback, self._reader
+        if playback is None:
+            return "not started"
+        return (f"{playback.state.name.lower().replace('_', ' ')} at {reader.log}@{reader.offset}"
+                f" ({'blocking' if reader.blocking else 'non-blocking'} read, op seq_no "
+                f"{playback.fsm.next_seq_no}, reading through {playback.read_through})")
 
     @property
     def fetched(self) -> list[tuple[str, int, int]]:
@@ -248,7 +258,7 @@ class Player:
         fsm = FSM(hints)
         shutil.rmtree(root, ignore_errors=True)
         (root / STAGING_DIR).mkdir(parents=True)
-        playback = _Playback(self, fsm, root, hints.log)
+        playback = self._playback = _Playback(self, fsm, root, hints.log)
         try:
             await playback.run()
         except BaseException:

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from pathlib import Path
 
 from streamkit.client import BrokerClient
 from streamkit.protocol import recoverylog_pb2 as rpb
-from streamkit.recoverylog.fsm import new_random_author
+from streamkit.recoverylog.fsm import FSM, new_random_author
 from streamkit.recoverylog.player import Player
 from streamkit.recoverylog.recorded_fs import RecordedFS
 from streamkit.recoverylog.recorder import Recorder
 from streamkit.tasks import cancel_and_wait
 
 __all__ = ["Playback", "recover"]
+
+log = logging.getLogger(__name__)
+
+SLOW_TAKE_OVER = 30.0  # seconds between reports of a take-over that is still playing
 
 
 class Playback:
@@ -64,10 +70,24 @@ class Playback:
         """
         author = new_random_author()
         self.player.inject_handoff(author)
-        fsm = await self._task
+        fsm = await self._reporting_slowness()
         recorder = Recorder(self.client, self.log, fsm, author)
         await recorder.start(write_head=self.player.handoff_end)
         return RecordedFS(self.directory, recorder)
+
+    async def _reporting_slowness(self) -> FSM:
+        """Playback's FSM, saying where playback is whenever it takes SLOW_TAKE_OVER more."""
+        began = time.monotonic()
+        while True:
+            try:
+                done, _ = await asyncio.wait((self._task,), timeout=SLOW_TAKE_OVER)
+            except asyncio.CancelledError:  # as awaiting the task itself would: it stops too
+                self._task.cancel()
+                raise
+            if done:
+                return self._task.result()
+            log.warning("taking over %s: still playing after %.0fs, %s", self.log,
+                        time.monotonic() - began, self.player.progress())
 
     async def cancel(self) -> None:
         """Stop playing (a standby that was released)."""
