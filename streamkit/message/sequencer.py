@@ -296,8 +296,11 @@ class Sequencer:
         partials, offsets = self._partials, self._offsets
         partial: _Partial | None = None
         journal, producer = "", -1
+        clock_before = last_clock = 0  # the partial's clock before the run, and now
         index = start
-        while index < stop:
+        # Per message: as few big-int operations as the checks allow. The partial's
+        # clocks are written back when the producer changes and at the end.
+        for index in range(start, stop):
             env = envelopes[index]
             message = env.message
             if type(message) is not dict:
@@ -309,19 +312,18 @@ class Sequencer:
                 value = int(raw.replace("-", ""), 16)
             except ValueError:
                 break
-            if (value >> 48) & 0x3FF != _OUTSIDE:
+            low = value >> 48  # the time fields, then the clock sequence's 16 bits
+            if low & 0x3FF != _OUTSIDE:
                 break
-            clock = (
-                (value >> 96) & 0xFFFFFFFF
-                | ((value >> 80) & 0xFFFF) << 32
-                | ((value >> 64) & 0x0FFF) << 48
-            ) << 4 | (value >> 58) & 0xF
-            if clock == 0:
-                break
+            stamp = low >> 16  # time_low (32 bits), time_mid (16), version (4), time_hi (12)
+            clock = ((stamp >> 32) | (stamp & 0xFFFF0000) << 16 | (stamp & 0x0FFF) << 48) << 4 | (
+                low >> 10) & 0xF
             if value & _PRODUCER_MASK != producer or env.journal is not journal:
-                if index > start:
-                    last = envelopes[index - 1]
-                    offsets[last.journal] = last.end
+                if partial is not None and last_clock != clock_before:
+                    partial.min_clock = partial.max_clock = last_clock
+                partial = None
+                if clock == 0:
+                    break
                 journal, producer = env.journal, value & _PRODUCER_MASK
                 partial = partials.get((journal, producer))
                 if partial is None:
@@ -329,10 +331,14 @@ class Sequencer:
                 elif partial.begin != -1:
                     partial = None
                     break
-            if clock <= partial.min_clock:  # type: ignore[union-attr]
+                clock_before = last_clock = partial.min_clock
+            if clock <= last_clock:
                 break
-            partial.min_clock = partial.max_clock = clock  # type: ignore[union-attr]
-            index += 1
+            last_clock = clock
+        else:
+            index = stop
+        if partial is not None and last_clock != clock_before:
+            partial.min_clock = partial.max_clock = last_clock
         if index > start:
             last = envelopes[index - 1]
             offsets[last.journal] = last.end
