@@ -10,7 +10,10 @@ topic, and measures, on this machine:
 2. publish_committed_msgs_s: ~100-byte dict messages published committed
    through an AppendService, timed until every OpFuture has resolved;
 3. read_committed_msgs_s: ReadCommitted over what (2) wrote, all journals
-   one after the other, decoded and sequenced.
+   one after the other, decoded and sequenced;
+4. decode_msgs_s and commit_run_msgs_s: the two steps of (3) a catch-up
+   spends most of its framework CPU on, alone, over frames (1) made: the
+   ndjson decoder, and the Sequencer's bulk path (`commit_run`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from streamkit.client import (  # noqa: E402
     PolledList,
     apply_journals,
 )
+from streamkit.message.framings.json_lines import JsonLinesDecoder  # noqa: E402
 from streamkit.message.mapping import (  # noqa: E402
     MappingFunc,
     field_key,
@@ -43,6 +47,7 @@ from streamkit.message.mapping import (  # noqa: E402
 )
 from streamkit.message.publisher import Publisher  # noqa: E402
 from streamkit.message.reader import ReadCommitted  # noqa: E402
+from streamkit.message.sequencer import Sequencer  # noqa: E402
 from streamkit.protocol import pb  # noqa: E402
 
 TOPIC = "bench-messages"
@@ -62,26 +67,47 @@ def message(n: int) -> dict[str, Any]:
 
 
 class _DiscardingService:
-    """Stands in for an AppendService: takes each frame and drops it."""
+    """Stands in for an AppendService: takes each frame and drops it (keeping `keep`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int = 0) -> None:
         self.future = OpFuture.finished()
         self.bytes = 0
+        self.kept = bytearray()
+        self.keep = keep
 
     async def append(self, journal: str, data: bytes, dependencies: Any = ()) -> OpFuture:
         self.bytes += len(data)
+        if len(self.kept) < self.keep:
+            self.kept += data
         return self.future
 
 
 async def bench_publisher_cpu(mapping: MappingFunc, count: int) -> dict[str, float]:
-    service = _DiscardingService()
+    service = _DiscardingService(keep=16 << 20)
     publisher = Publisher(service)  # type: ignore[arg-type]
     started = time.perf_counter()
     for n in range(count):
         await publisher.publish_committed(mapping, message(n))
     elapsed = time.perf_counter() - started
     return {"publisher_cpu_msgs_s": count / elapsed,
-            "framed_message_bytes": service.bytes / count}
+            "framed_message_bytes": service.bytes / count,
+            **bench_decode_and_sequence(bytes(service.kept))}
+
+
+def bench_decode_and_sequence(frames: bytes, rounds: int = 5) -> dict[str, float]:
+    """Best of `rounds`: decoding `frames` (ndjson) into envelopes, then committing them."""
+    decode = commit = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        envelopes = JsonLinesDecoder("bench", dict).feed(frames, 0)
+        decode = min(decode, time.perf_counter() - started)
+        sequencer = Sequencer(offsets={"bench": 0})
+        started = time.perf_counter()
+        index = 0
+        while index < len(envelopes):
+            index = sequencer.commit_run(envelopes, index, len(envelopes))
+        commit = min(commit, time.perf_counter() - started)
+    return {"decode_msgs_s": len(envelopes) / decode, "commit_run_msgs_s": len(envelopes) / commit}
 
 
 async def bench_publish(client: BrokerClient, mapping: MappingFunc, count: int
