@@ -11,21 +11,29 @@ import pytest
 
 from streamkit.client import BrokerClient, RegisterMismatch
 from streamkit.recoverylog import CONTENT_TYPE, recovery, rpb
+from streamkit.recoverylog.recorded_fs import RecordedFS
 from streamkit.recoverylog.recovery import Playback, recover
 from tests.brokerproc import BrokerProcess
 from tests.helpers_client import create_journal, eventually, unique_name
+
+
+async def _log_with_state(client: BrokerClient, prefix: str, directory: Path
+                          ) -> tuple[str, RecordedFS]:
+    """A new recovery log, recovered into `directory`, whose state.json holds {"n": 1}."""
+    log = unique_name(prefix)
+    await create_journal(client, log, labels={"content-type": CONTENT_TYPE})
+    fs = await recover(client, log, directory)
+    with fs.open("state.json", "wb") as f:
+        f.write(b'{"n": 1}')
+    await fs.fsync()
+    return log, fs
 
 
 async def test_recover_rebuilds_and_fences_the_previous_recorder(
     shared_broker: BrokerProcess, tmp_path: Path
 ) -> None:
     async with BrokerClient(shared_broker.address) as client:
-        log = unique_name("recover")
-        await create_journal(client, log, labels={"content-type": CONTENT_TYPE})
-        first = await recover(client, log, tmp_path / "first")
-        with first.open("state.json", "wb") as f:
-            f.write(b'{"n": 1}')
-        await first.fsync()
+        log, first = await _log_with_state(client, "recover", tmp_path / "first")
 
         second = await recover(client, log, tmp_path / "second")
         assert (tmp_path / "second" / "state.json").read_bytes() == b'{"n": 1}'
@@ -59,12 +67,7 @@ async def test_a_take_over_held_up_by_a_hung_broker_says_where_it_is(
     broker = BrokerProcess(tmp_path / "broker").start()
     try:
         async with BrokerClient(broker.address) as client:
-            log = unique_name("slow-take-over")
-            await create_journal(client, log, labels={"content-type": CONTENT_TYPE})
-            first = await recover(client, log, tmp_path / "first")
-            with first.open("state.json", "wb") as f:
-                f.write(b'{"n": 1}')
-            await first.fsync()
+            log, first = await _log_with_state(client, "slow-take-over", tmp_path / "first")
             await first.recorder.close()
 
             broker.proc.send_signal(signal.SIGSTOP)
