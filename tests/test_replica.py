@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 from google.protobuf.duration_pb2 import Duration
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from streamkit.broker.index import FragmentIndex
 from streamkit.broker.replica import Replica
@@ -76,6 +78,54 @@ def test_index_prefers_the_longest_cover_then_local() -> None:
     assert index.query(600) is None
     index.add(_fragment(300, 450))  # the local spool grew
     assert index.query(420).fragment.end == 450 and len(index) == 5
+
+
+def _reference_query(fragments: list[pb.Fragment], offset: int) -> tuple[int, int, str, int] | None:
+    """The lookup rule by brute force: the furthest-reaching cover (local first on ties;
+    the first in (begin, end, store) order among equals), else the longest next one."""
+    ordered = sorted(fragments, key=lambda f: (f.begin, f.end, f.backing_store))
+    covers = [f for f in ordered if f.begin <= offset < f.end]
+    if covers:
+        best = max(covers, key=lambda f: (f.end, not f.backing_store))  # max: first of equals
+        return best.begin, best.end, best.backing_store, offset
+    later = [f for f in ordered if f.begin > offset]
+    if not later:
+        return None
+    first = min(f.begin for f in later)
+    best = max((f for f in later if f.begin == first), key=lambda f: (f.end, not f.backing_store))
+    return best.begin, best.end, best.backing_store, best.begin
+
+
+_INDEX_OPS = st.lists(st.tuples(
+    st.sampled_from(["remote", "local", "remove_local", "relist"]),
+    st.integers(0, 20), st.integers(1, 8), st.sampled_from(["s3://a/", "file:///"])),
+    max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_INDEX_OPS)
+def test_index_lookups_match_the_brute_force_rule(ops: list[tuple[str, int, int, str]]) -> None:
+    """Lookups bisect over kept prefix maxima; they answer as scanning every fragment does."""
+    index = FragmentIndex()
+    for op, at, length, store in ops:
+        begin = at * 10
+        if op == "remote":
+            index.add(_fragment(begin, begin + length * 10, store))
+        elif op == "local":
+            index.add(_fragment(begin, begin + length * 10))
+        elif op == "remove_local":
+            index.remove_local(begin)
+        else:  # a fresh store listing: some of the remote fragments again, and one more
+            remote = [f for f in index.fragments() if f.backing_store][::2]
+            index.replace_remote([*remote, _fragment(begin, begin + length * 10, store)])
+        fragments = index.fragments()
+        assert index.end == max((f.end for f in fragments), default=0)
+        for offset in range(0, 300, 5):
+            lookup = index.query(offset)
+            got = None if lookup is None else (
+                lookup.fragment.begin, lookup.fragment.end, lookup.fragment.backing_store,
+                lookup.offset)
+            assert got == _reference_query(fragments, offset), (offset, fragments)
 
 
 async def _content_of(replica: Replica) -> bytes:

@@ -4,6 +4,12 @@ It merges the journal's local spools with the fragments listed in its stores.
 A read takes the fragment that covers the offset and reaches furthest, so one
 long persisted fragment beats several short ones; a local spool wins ties
 because reading it costs no decompression.
+
+Every blocked read looks its offset up again after each append, so a lookup
+must not cost in proportion to the journal's history: beside the fragments
+(sorted by begin) the index keeps, for each prefix of them, where its best
+fragment is. A lookup is then a bisection, and keeping that up costs little
+since fragments change almost only at the journal's head.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ class FragmentIndex:
         self._fragments: list[pb.Fragment] = []
         self._keys: list[tuple[int, int, str]] = []
         self._local_ends: dict[int, int] = {}  # begin -> end of each local spool entry
+        # _best[i]: the index of the best fragment of _fragments[:i + 1] (the first of equals)
+        self._best: list[int] = []
 
     def __len__(self) -> int:
         return len(self._fragments)
@@ -51,9 +59,10 @@ class FragmentIndex:
         at = bisect.bisect_left(self._keys, key)
         if at < len(self._keys) and self._keys[at] == key:
             self._fragments[at] = fragment
-            return
-        self._keys.insert(at, key)
-        self._fragments.insert(at, fragment)
+        else:
+            self._keys.insert(at, key)
+            self._fragments.insert(at, fragment)
+        self._rank_from(at)
 
     def remove_local(self, begin: int) -> None:
         """Drop the local spool entry starting at `begin` (it was persisted)."""
@@ -66,6 +75,7 @@ class FragmentIndex:
         if at < len(self._keys) and self._keys[at] == key:
             del self._keys[at]
             del self._fragments[at]
+            self._rank_from(at)
 
     def replace_remote(self, remote: list[pb.Fragment]) -> None:
         """Swap in a fresh store listing, keeping local spools (duplicates collapse)."""
@@ -76,24 +86,33 @@ class FragmentIndex:
         fragments.sort(key=_key)
         self._fragments = fragments
         self._keys = [_key(f) for f in fragments]
+        self._rank_from(0)
+
+    def _rank_from(self, at: int) -> None:
+        """Bring `_best` up to date from position `at` on."""
+        fragments, best = self._fragments, self._best
+        del best[at:]
+        current = best[-1] if best else -1
+        for i in range(at, len(fragments)):
+            if current < 0 or _better(fragments[i], fragments[current]):
+                current = i
+            best.append(current)
 
     @property
     def end(self) -> int:
         """The furthest offset any fragment reaches."""
-        return max((f.end for f in self._fragments), default=0)
+        return self._fragments[self._best[-1]].end if self._best else 0
 
     def query(self, offset: int) -> Lookup | None:
         """The best fragment covering `offset`, else the next one after a gap.
 
         None means nothing at or past `offset` exists yet.
         """
-        best: pb.Fragment | None = None
         stop = bisect.bisect_right(self._keys, (offset, 1 << 63, "\U0010ffff"))
-        for f in self._fragments[:stop]:
-            if f.end > offset and (best is None or _better(f, best)):
-                best = f
-        if best is not None:
-            return Lookup(best, offset)
+        if stop:
+            best = self._fragments[self._best[stop - 1]]  # of all that begin at or before
+            if best.end > offset:
+                return Lookup(best, offset)
         if stop < len(self._fragments):
             after = self._fragments[stop]
             # Several fragments may share the next begin: take the longest.
