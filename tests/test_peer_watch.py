@@ -6,8 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from pathlib import Path
 
+import pytest
+
+from streamkit.app import peer_watch
 from streamkit.app.assignment import MemberId, member_key
 from streamkit.app.peer_watch import PeerWatch
 from streamkit.app.shard_ops import read_state
@@ -62,3 +66,45 @@ async def test_refused_port_revokes_the_lease_a_paused_one_does_not(tmp_path: Pa
             with contextlib.suppress(OSError):
                 paused.close()
 
+
+
+async def test_a_peer_dying_right_after_it_was_dialed_loses_its_lease_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process killed just after the watch connected: its young connection closes, and its
+    listening socket, a moment later, may still take one more dial. The watch must not take
+    that for a peer that drops clients and wait _RETRY (a fixed half second, seen in 2 of 10
+    failover rounds) before it dials the refusing port."""
+    monkeypatch.setattr(peer_watch, "_RETRY", 3.0)  # so that such a wait cannot go unseen
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    loop = asyncio.get_running_loop()
+    async with open_keyspace(str(tmp_path / "keyspace.db")) as keyspace:
+        await _announce(keyspace, ME, free_port())
+        await _announce(keyspace, MemberId("z", "dying"), listener.getsockname()[1])
+        state = await read_state(keyspace, ROOT)
+
+        async def wait_changed(revision: int) -> None:
+            await asyncio.Event().wait()
+
+        task = asyncio.create_task(PeerWatch(keyspace, ME, lambda: state, wait_changed).run())
+        try:
+            conn, _ = await asyncio.wait_for(loop.sock_accept(listener), 10)  # the watch's dial
+            await asyncio.sleep(0.1)  # a connection younger than _RETRY
+            conn.close()  # the process dies: its connection closes first,
+            await asyncio.sleep(0.01)  # (time for the watch's at-once dial to be taken)
+            listener.close()  # and its listening socket a moment later
+            died = time.monotonic()
+
+            async def dying_gone() -> bool:
+                members = (await read_state(keyspace, ROOT)).members
+                return all(m.suffix != "dying" for m in members)
+
+            await eventually(dying_gone, 30, "the dying member's lease to be revoked")
+            assert time.monotonic() - died < peer_watch._RETRY / 2
+        finally:
+            await cancel_and_wait(task, "the peer watch")
+            with contextlib.suppress(OSError):
+                listener.close()

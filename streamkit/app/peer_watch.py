@@ -34,7 +34,7 @@ __all__ = ["PeerWatch", "refuses"]
 log = logging.getLogger(__name__)
 
 _CONNECT_TIMEOUT = 1.0  # an unanswered dial is no proof of death: dial again later
-_RETRY = 0.5  # after an unreachable peer, or a connection the peer closed at once
+_RETRY = 0.5  # after an unreachable peer; the longest pause after connections closed at once
 _CONFIRM = 0.02  # a refusal is confirmed by a second one this much later
 
 
@@ -82,7 +82,7 @@ class PeerWatch:
     async def _watch(self, member: MemberId, lease: int, endpoint: str) -> None:
         where = parse_address(endpoint)
         loop = asyncio.get_running_loop()
-        quick = False  # whether the last connection was closed right after it opened
+        pause = 0.0  # before dialing again after a connection closed right after it opened
         while True:
             # Dial again at once after a close: a port whose process died refuses at once.
             try:
@@ -97,14 +97,18 @@ class PeerWatch:
             except (OSError, TimeoutError):
                 await asyncio.sleep(_RETRY)  # unreachable is not dead: the lease decides
                 continue
-            if quick:  # a peer that accepts and closes at once: don't spin on it
-                writer.close()
-                quick = False
-                await asyncio.sleep(_RETRY)
-                continue
             opened = loop.time()
             await _until_closed(reader, writer)
-            quick = loop.time() - opened < _RETRY
+            if loop.time() - opened >= _RETRY:
+                pause = 0.0
+                continue
+            # Closed right after it opened: a peer dying just after we dialed (whose
+            # listening socket may take one more dial before it closes too, and then
+            # refuses), or one that drops clients, not to be dialed in a spin. So the
+            # first such close is dialed again at once, and the pause after the next
+            # ones doubles from _CONFIRM up to _RETRY.
+            await asyncio.sleep(pause)
+            pause = min(_RETRY, max(_CONFIRM, 2 * pause))
 
     async def _revoke(self, member: MemberId, lease: int, endpoint: str) -> None:
         log.warning("member %s: %s's Shard API at %s refuses connections: it is gone, so its "
