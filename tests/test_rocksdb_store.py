@@ -355,3 +355,37 @@ async def test_a_growing_state_gets_a_larger_memtable(tmp_path: Path) -> None:
     sizes = re.findall(r"^\s*write_buffer_size=(\d+)$", latest_options, re.MULTILINE)
     assert sizes and int(sizes[0]) >= 8 * MIN_MEMTABLE  # 2 MiB for ~20 MiB of SSTs
     await close(store)
+
+
+async def test_a_failed_memtable_resize_fails_no_commit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Resizing is tuning: if RocksDB refuses the new size, the commit (already written)
+    still succeeds, resizing stops, and the store goes on."""
+
+    class Refusing:
+        """The database, refusing option changes."""
+
+        def __init__(self, db: Any) -> None:
+            self._db = db
+
+        def set_options(self, options: dict[str, str]) -> None:
+            raise RuntimeError(f"refused {options}")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._db, name)
+
+    store = RocksDBStore(tmp_path / "db", sized_memtable=True)
+    await store.restore_checkpoint("shard")
+    db = store._db
+    store._db = Refusing(db)  # type: ignore[assignment]
+    rng = random.Random(3)
+    for n in range(1, 13):  # ~12 MiB of state: a larger memtable is wanted
+        with store.write_batch() as batch:
+            for k in range(16):
+                batch.put(f"{n:03d}/{k:02d}", rng.randbytes(64 << 10))
+        await (await store.start_commit("shard", checkpoint_of(n), []))
+    assert "resizing to" in caplog.text
+    assert store.get("012/15") is not None
+    store._db = db
+    await close(store)

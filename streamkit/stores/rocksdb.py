@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +48,8 @@ __all__ = [
     "default_options",
     "memtable_for",
 ]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Key = bytes | str
@@ -365,7 +368,13 @@ class RocksDBStore(Store):
             return
         wanted = memtable_for(self._db.property_int_value("rocksdb.total-sst-files-size") or 0)
         if wanted > self._memtable:
-            self._db.set_options({"write_buffer_size": str(wanted)})
+            try:
+                self._db.set_options({"write_buffer_size": str(wanted)})
+            except Exception as error:  # a tuning step: never the commit's failure
+                log.warning("store at %s: memtable left at %d bytes (resizing to %d failed: %s)",
+                            self.path, self._memtable, wanted, error)
+                self._memtable = None
+                return
             self._memtable = wanted
 
     async def _record(self, first: Observation | None = None) -> None:
