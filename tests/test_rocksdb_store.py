@@ -389,3 +389,26 @@ async def test_a_failed_memtable_resize_fails_no_commit(
     assert store.get("012/15") is not None
     store._db = db
     await close(store)
+
+
+async def test_a_reopened_store_takes_the_memtable_its_state_calls_for(tmp_path: Path) -> None:
+    """RocksDB reopens a database with its saved column-family options, not the ones it
+    is given: a store made with RocksDB's 64 MiB memtable (before streamkit sized them)
+    gets the small one its state calls for when it opens sized."""
+    store = RocksDBStore(tmp_path / "db", default_options(write_buffer_size=64 << 20))
+    await store.restore_checkpoint("shard")
+    store.put("k", 1)
+    await (await store.start_commit("shard", checkpoint_of(1), []))
+    await close(store)
+
+    def saved_size() -> int:
+        latest = max((tmp_path / "db").glob("OPTIONS-*"), key=lambda f: int(f.name[8:]))
+        return int(re.findall(r"^\s*write_buffer_size=(\d+)$", latest.read_text(),
+                              re.MULTILINE)[0])
+
+    assert saved_size() == 64 << 20
+    reopened = RocksDBStore(tmp_path / "db", sized_memtable=True)
+    assert await reopened.restore_checkpoint("shard") == checkpoint_of(1)
+    assert saved_size() == MIN_MEMTABLE
+    assert reopened.get("k") == 1
+    await close(reopened)

@@ -25,6 +25,7 @@ import functools
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -120,6 +121,16 @@ def _sst_bytes(directory: Path) -> int:
             return sum(e.stat().st_size for e in entries if e.name.endswith(".sst"))
     except FileNotFoundError:  # a new database
         return 0
+
+
+def _saved_memtable(directory: Path) -> int | None:
+    """The memtable size in a database's latest OPTIONS file: RocksDB reopens with the
+    column family's saved options, not the ones it is given."""
+    files = sorted(directory.glob("OPTIONS-*"), key=lambda f: f.name.partition("-")[2].zfill(20))
+    if not files:
+        return None
+    found = re.search(r"^\s*write_buffer_size=(\d+)\s*$", files[-1].read_text(), re.MULTILINE)
+    return int(found.group(1)) if found else None
 
 
 class WriteBatch:
@@ -241,11 +252,15 @@ class RocksDBStore(Store):
             if self.observer is not None:
                 self._discard_half_created()
                 self.observer.adopt()
+            wanted = None
             if self._memtable is not None:
-                self._memtable = memtable_for(_sst_bytes(self.path))
-                self._options.set_write_buffer_size(self._memtable)
+                wanted = memtable_for(_sst_bytes(self.path))
+                self._options.set_write_buffer_size(wanted)  # what a new database starts with
+                self._memtable = _saved_memtable(self.path) or wanted  # a reopened one keeps
             self._db = await self._call(rocksdict.Rdict, str(self.path), self._options)
             await self._call(self._check_raw_mode)
+            if wanted is not None:
+                await self._call(self._resize_memtable, wanted)  # before the open is recorded
             if self.observer is not None:
                 await self._record()
                 await self.observer.recorder.barrier()
@@ -368,14 +383,21 @@ class RocksDBStore(Store):
             return
         wanted = memtable_for(self._db.property_int_value("rocksdb.total-sst-files-size") or 0)
         if wanted > self._memtable:
-            try:
-                self._db.set_options({"write_buffer_size": str(wanted)})
-            except Exception as error:  # a tuning step: never the commit's failure
-                log.warning("store at %s: memtable left at %d bytes (resizing to %d failed: %s)",
-                            self.path, self._memtable, wanted, error)
-                self._memtable = None
-                return
-            self._memtable = wanted
+            self._resize_memtable(wanted)
+
+    def _resize_memtable(self, size: int) -> None:
+        """Set the memtable's size (RocksDB saves it in a new OPTIONS file); a refusal stops
+        the resizing, never the commit or open it follows (tuning, not state)."""
+        if self._memtable is None or self._db is None or size == self._memtable:
+            return
+        try:
+            self._db.set_options({"write_buffer_size": str(size)})
+        except Exception as error:
+            log.warning("store at %s: memtable left at %d bytes (resizing to %d failed: %s)",
+                        self.path, self._memtable, size, error)
+            self._memtable = None
+        else:
+            self._memtable = size
 
     async def _record(self, first: Observation | None = None) -> None:
         """Record the directory's changes since the last commit point, up to a stable pass."""
