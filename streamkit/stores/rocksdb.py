@@ -126,10 +126,11 @@ def _sst_bytes(directory: Path) -> int:
 def _saved_memtable(directory: Path) -> int | None:
     """The memtable size in a database's latest OPTIONS file: RocksDB reopens with the
     column family's saved options, not the ones it is given."""
-    files = sorted(directory.glob("OPTIONS-*"), key=lambda f: f.name.partition("-")[2].zfill(20))
-    if not files:
+    numbered = [(int(f.name[8:]), f) for f in directory.glob("OPTIONS-*") if f.name[8:].isdigit()]
+    if not numbered:
         return None
-    found = re.search(r"^\s*write_buffer_size=(\d+)\s*$", files[-1].read_text(), re.MULTILINE)
+    found = re.search(r"^\s*write_buffer_size=(\d+)\s*$", max(numbered)[1].read_text(),
+                      re.MULTILINE)
     return int(found.group(1)) if found else None
 
 
