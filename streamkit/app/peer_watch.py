@@ -82,7 +82,18 @@ class PeerWatch:
     async def _watch(self, member: MemberId, lease: int, endpoint: str) -> None:
         where = parse_address(endpoint)
         loop = asyncio.get_running_loop()
-        pause = 0.0  # before dialing again after a connection closed right after it opened
+        pause = 0.0  # before dialing again after a connection closed (or reset) at once
+
+        async def dial_again_soon() -> None:
+            # A peer dying just after we dialed: its young connection closes, and its
+            # listening socket may still take one more dial (closed or reset a moment
+            # later), and refuses by then. Or a peer that drops clients, not to be dialed
+            # in a spin. So the first such end is dialed again at once, and the pause
+            # after the next ones doubles from _CONFIRM up to _RETRY.
+            nonlocal pause
+            await asyncio.sleep(pause)
+            pause = min(_RETRY, max(_CONFIRM, 2 * pause))
+
         while True:
             # Dial again at once after a close: a port whose process died refuses at once.
             try:
@@ -94,6 +105,9 @@ class PeerWatch:
                     await self._revoke(member, lease, endpoint)
                     return
                 continue
+            except ConnectionResetError:  # reset in the handshake: a listening socket closing
+                await dial_again_soon()
+                continue
             except (OSError, TimeoutError):
                 await asyncio.sleep(_RETRY)  # unreachable is not dead: the lease decides
                 continue
@@ -101,14 +115,8 @@ class PeerWatch:
             await _until_closed(reader, writer)
             if loop.time() - opened >= _RETRY:
                 pause = 0.0
-                continue
-            # Closed right after it opened: a peer dying just after we dialed (whose
-            # listening socket may take one more dial before it closes too, and then
-            # refuses), or one that drops clients, not to be dialed in a spin. So the
-            # first such close is dialed again at once, and the pause after the next
-            # ones doubles from _CONFIRM up to _RETRY.
-            await asyncio.sleep(pause)
-            pause = min(_RETRY, max(_CONFIRM, 2 * pause))
+            else:
+                await dial_again_soon()
 
     async def _revoke(self, member: MemberId, lease: int, endpoint: str) -> None:
         log.warning("member %s: %s's Shard API at %s refuses connections: it is gone, so its "
