@@ -115,14 +115,6 @@ def _decode(raw: bytes) -> Any:
     raise StoreError(f"value with unknown tag {tag!r}: not written by RocksDBStore")
 
 
-def _sst_bytes(directory: Path) -> int:
-    try:
-        with os.scandir(directory) as entries:
-            return sum(e.stat().st_size for e in entries if e.name.endswith(".sst"))
-    except FileNotFoundError:  # a new database
-        return 0
-
-
 def _saved_memtable(directory: Path) -> int | None:
     """The memtable size in a database's latest OPTIONS file: RocksDB reopens with the
     column family's saved options, not the ones it is given."""
@@ -179,7 +171,7 @@ class RocksDBStore(Store):
         self._options.set_max_manifest_file_size(MAX_MANIFEST_SIZE)
         self._write_options = rocksdict.WriteOptions()
         self._write_options.sync = sync  # a property in rocksdict, not a setter
-        self._memtable = 0 if sized_memtable else None  # the size set last; None: the options'
+        self._memtable = 0 if sized_memtable else None  # the size in use; None: the options'
         self.observer = DirObserver(self.path, self.fs.recorder) if self.fs else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rocksdbstore")
         self._thread_started = False
@@ -253,15 +245,12 @@ class RocksDBStore(Store):
             if self.observer is not None:
                 self._discard_half_created()
                 self.observer.adopt()
-            wanted = None
             if self._memtable is not None:
-                wanted = memtable_for(_sst_bytes(self.path))
-                self._options.set_write_buffer_size(wanted)  # what a new database starts with
-                self._memtable = _saved_memtable(self.path) or wanted  # a reopened one keeps
+                self._options.set_write_buffer_size(MIN_MEMTABLE)  # a new database's (no state)
+                self._memtable = _saved_memtable(self.path) or MIN_MEMTABLE  # a reopened one's
             self._db = await self._call(rocksdict.Rdict, str(self.path), self._options)
             await self._call(self._check_raw_mode)
-            if wanted is not None:
-                await self._call(self._resize_memtable, wanted)  # before the open is recorded
+            await self._call(self._fit_memtable, False)  # before the open is recorded
             if self.observer is not None:
                 await self._record()
                 await self.observer.recorder.barrier()
@@ -375,30 +364,27 @@ class RocksDBStore(Store):
                         ) -> Observation | None:
         """Write, then make the first observation pass: one trip to the worker thread."""
         self._write_sync(mutations, checkpoint)
-        self._grow_memtable()
+        self._fit_memtable()
         return None if self.observer is None else self.observer.scan()
 
-    def _grow_memtable(self) -> None:
-        """Follow a growing state with the memtable (a shrinking one waits for the next open)."""
+    def _fit_memtable(self, grow_only: bool = True) -> None:
+        """Size the memtable by the state (`memtable_for`): at open either way, at commits
+        only up (a shrinking state keeps its memtable until the next open). RocksDB saves
+        the size in a new OPTIONS file; a refusal stops the resizing, never the commit or
+        open it follows (tuning, not state)."""
         if self._memtable is None or self._db is None:
             return
         wanted = memtable_for(self._db.property_int_value("rocksdb.total-sst-files-size") or 0)
-        if wanted > self._memtable:
-            self._resize_memtable(wanted)
-
-    def _resize_memtable(self, size: int) -> None:
-        """Set the memtable's size (RocksDB saves it in a new OPTIONS file); a refusal stops
-        the resizing, never the commit or open it follows (tuning, not state)."""
-        if self._memtable is None or self._db is None or size == self._memtable:
+        if wanted == self._memtable or (grow_only and wanted < self._memtable):
             return
         try:
-            self._db.set_options({"write_buffer_size": str(size)})
+            self._db.set_options({"write_buffer_size": str(wanted)})
         except Exception as error:
             log.warning("store at %s: memtable left at %d bytes (resizing to %d failed: %s)",
-                        self.path, self._memtable, size, error)
+                        self.path, self._memtable, wanted, error)
             self._memtable = None
         else:
-            self._memtable = size
+            self._memtable = wanted
 
     async def _record(self, first: Observation | None = None) -> None:
         """Record the directory's changes since the last commit point, up to a stable pass."""
