@@ -341,19 +341,29 @@ async def test_a_shards_store_has_little_wal_to_replay_whatever_its_history(
         await close(second)
 
 
-async def test_a_growing_state_gets_a_larger_memtable(tmp_path: Path) -> None:
-    """Large states keep large memtables (less compaction); the size follows the SSTs."""
-    store = RocksDBStore(tmp_path / "db", sized_memtable=True)
-    await store.restore_checkpoint("shard")
-    rng = random.Random(7)
-    for n in range(1, 25):  # 24 MiB of distinct, incompressible values
+async def _grow(store: RocksDBStore, mib: int, seed: int) -> None:
+    """`mib` commits of 1 MiB of distinct, incompressible values each."""
+    rng = random.Random(seed)
+    for n in range(1, mib + 1):
         with store.write_batch() as batch:
             for k in range(16):
                 batch.put(f"{n:03d}/{k:02d}", rng.randbytes(64 << 10))
         await (await store.start_commit("shard", checkpoint_of(n), []))
-    latest_options = max((tmp_path / "db").glob("OPTIONS-*")).read_text()
-    sizes = re.findall(r"^\s*write_buffer_size=(\d+)$", latest_options, re.MULTILINE)
-    assert sizes and int(sizes[0]) >= 8 * MIN_MEMTABLE  # 2 MiB for ~20 MiB of SSTs
+
+
+def _saved_size(directory: Path) -> int:
+    """The memtable size in the database's latest OPTIONS file."""
+    latest = max(directory.glob("OPTIONS-*"), key=lambda f: int(f.name[8:]))
+    return int(re.findall(r"^\s*write_buffer_size=(\d+)$", latest.read_text(),
+                          re.MULTILINE)[0])
+
+
+async def test_a_growing_state_gets_a_larger_memtable(tmp_path: Path) -> None:
+    """Large states keep large memtables (less compaction); the size follows the SSTs."""
+    store = RocksDBStore(tmp_path / "db", sized_memtable=True)
+    await store.restore_checkpoint("shard")
+    await _grow(store, 24, seed=7)
+    assert _saved_size(tmp_path / "db") >= 8 * MIN_MEMTABLE  # 2 MiB for ~20 MiB of SSTs
     await close(store)
 
 
@@ -379,12 +389,7 @@ async def test_a_failed_memtable_resize_fails_no_commit(
     await store.restore_checkpoint("shard")
     db = store._db
     store._db = Refusing(db)  # type: ignore[assignment]
-    rng = random.Random(3)
-    for n in range(1, 13):  # ~12 MiB of state: a larger memtable is wanted
-        with store.write_batch() as batch:
-            for k in range(16):
-                batch.put(f"{n:03d}/{k:02d}", rng.randbytes(64 << 10))
-        await (await store.start_commit("shard", checkpoint_of(n), []))
+    await _grow(store, 12, seed=3)  # ~12 MiB of state: a larger memtable is wanted
     assert "resizing to" in caplog.text
     assert store.get("012/15") is not None
     store._db = db
@@ -401,14 +406,9 @@ async def test_a_reopened_store_takes_the_memtable_its_state_calls_for(tmp_path:
     await (await store.start_commit("shard", checkpoint_of(1), []))
     await close(store)
 
-    def saved_size() -> int:
-        latest = max((tmp_path / "db").glob("OPTIONS-*"), key=lambda f: int(f.name[8:]))
-        return int(re.findall(r"^\s*write_buffer_size=(\d+)$", latest.read_text(),
-                              re.MULTILINE)[0])
-
-    assert saved_size() == 64 << 20
+    assert _saved_size(tmp_path / "db") == 64 << 20
     reopened = RocksDBStore(tmp_path / "db", sized_memtable=True)
     assert await reopened.restore_checkpoint("shard") == checkpoint_of(1)
-    assert saved_size() == MIN_MEMTABLE
+    assert _saved_size(tmp_path / "db") == MIN_MEMTABLE
     assert reopened.get("k") == 1
     await close(reopened)
