@@ -1,8 +1,8 @@
 """The server side of a member's HTTP API (see `http_api`): its routes and handlers, on
 `http_server`, behind the member's `Security` checks (`http_guards`).
 
-Imported on the HTTP API's own thread when it starts, so that its imports (the
-Prometheus client's, mostly) overlap the member's start instead of preceding it.
+Imported on the HTTP API's own thread when it starts, so that its imports overlap the
+member's start instead of preceding it; the Prometheus client's wait for a scrape.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ import logging
 import socket
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
 from streamkit.app.application import QueryError
 from streamkit.app.http_api import replica_status
 from streamkit.app.http_server import BodyTooLarge, HttpServer, Request, Response, json_response
+from streamkit.app.metrics import ensure_registered
 from streamkit.app.query_forward import FORWARDED, PrimaryOf, forward_query
 from streamkit.app.replica import Replica
 from streamkit.app.service import Service
@@ -78,6 +77,9 @@ class Handlers:
         return Response(405, b"405: Method Not Allowed", headers={"Allow": allowed})
 
     async def metrics(self) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        ensure_registered()
         return Response(body=generate_latest(), content_type=CONTENT_TYPE_LATEST)
 
     async def status(self) -> Response:

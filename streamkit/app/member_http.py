@@ -8,13 +8,14 @@ as they do for the broker, so a leaked token opens no more than that.
 
 from __future__ import annotations
 
-import ssl
-import urllib.request
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamkit.auth.settings import Security
 from streamkit.auth.tls import parse_address
 from streamkit.auth.tokens import Capability
+
+if TYPE_CHECKING:
+    import ssl
 
 __all__ = ["http_url", "open_member_url"]
 
@@ -43,6 +44,8 @@ def open_member_url(
 ) -> Any:
     """urllib's response for `url` (POST when `body` is given), with a token for `cap` over
     `shard` (every shard when None) when `security` has keys, and its CA for https://."""
+    import urllib.request  # on use: members import this module to name URLs only
+
     headers = {"Content-Type": "application/json"} if body is not None else {}
     signer = security.signer()
     if signer is not None:

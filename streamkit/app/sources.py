@@ -23,7 +23,7 @@ from typing import ClassVar
 
 from pydantic import ConfigDict
 
-from streamkit.app.metrics import LAG
+from streamkit.app.metrics import lag_gauge
 from streamkit.app.producer import EnvelopeReader
 from streamkit.client import BrokerClient
 from streamkit.message.framing import DecoderBase, FrameDecoder, FrameError, Framing
@@ -196,7 +196,7 @@ class SourceInput:
         )
 
     async def _read(self, reader: EnvelopeReader, *, pass_bad_frames: bool) -> None:
-        lag = LAG.labels(self._shard_id, reader.journal)
+        lag = None  # looked up once there is a head to report (metrics.py says why)
         try:
             if pass_bad_frames and isinstance(reader, ReadUncommitted):
                 framing = reader.framing or await journal_framing(self.client, reader.journal)
@@ -207,6 +207,8 @@ class SourceInput:
                 offset = getattr(reader, "offset", None)
                 if head is not None and offset is not None:
                     self.write_heads[reader.journal] = head
+                    if lag is None:
+                        lag = lag_gauge(self._shard_id, reader.journal)
                     lag.set(max(0, head - offset))
                 if not batch:
                     await asyncio.sleep(0.01)  # the stream ended: the retry reader reopens

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import inspect
 import logging
 import time
@@ -62,7 +63,7 @@ from streamkit.app.config import (
     ON_UNDECODABLE_LABEL,
     SKIP,
 )
-from streamkit.app.metrics import SHARD_METRICS, SKIPPED
+from streamkit.app.metrics import ShardMetrics, count_skipped, shard_metrics
 from streamkit.app.publishing import ShardPublisher
 from streamkit.app.shard import Shard
 from streamkit.app.sources import BadFrame, SourceInput
@@ -257,7 +258,6 @@ class TransactionLoop:
         self.max_duration = spec.max_txn_duration.ToTimedelta().total_seconds() or 1.0
         self.min_duration = spec.min_txn_duration.ToTimedelta().total_seconds()
         self.wait_for_ack = not spec.disable_wait_for_ack
-        self.metrics = SHARD_METRICS.labels_for(shard.id)
         self.policies = PoisonPolicies(spec)
         self._async_consume = inspect.iscoroutinefunction(app.consume_message)
         # The batch hook, unless the app has none or a source's policy needs to know which
@@ -309,6 +309,11 @@ class TransactionLoop:
             previous = self._previous
             if previous is not None and not previous.done():
                 await asyncio.wait((previous,))
+
+    @functools.cached_property
+    def metrics(self) -> ShardMetrics:
+        """The shard's metric children, looked up when its first transaction ends."""
+        return shard_metrics(self.shard.id)
 
     def _marked(self, hook: str) -> Callable[..., Awaitable[Any]]:
         """The app's `hook`, awaitable, marked in `hooks` while it runs (for the watchdog)."""
@@ -583,7 +588,7 @@ class TransactionLoop:
             what,
             reason,
         )
-        SKIPPED.labels(self.shard.id, env.journal, cause, policy).inc()
+        count_skipped(self.shard.id, env.journal, cause, policy)
         return True
 
     async def _acknowledged(
