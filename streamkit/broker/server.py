@@ -21,6 +21,7 @@ import importlib
 import logging
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +140,11 @@ class Broker:
         log.info("broker serving gRPC on %s:%d, HTTP on %s, data in %s (%s)", cfg.host,
                  cfg.port, cfg.gateway_port or "(off)", cfg.data_dir,
                  cfg.security.describe())
+        # Apply needs the spec models (pydantic, ~60 ms to import). They are not imported
+        # before listening, which makes a (re)start that much quicker, but now, beside a
+        # loop still idle, rather than on the first Apply: a starting app sends one soon.
+        threading.Thread(target=importlib.import_module, args=("streamkit.protocol.spec",),
+                         name="spec-import", daemon=True).start()
 
     async def _gateway_when_asked(self, sock: socket.socket) -> None:
         """Start the HTTP gateway on `sock` once a first client connects to it.

@@ -35,8 +35,8 @@ from streamkit.broker.replica import Replica
 from streamkit.errors import StreamkitError
 from streamkit.protocol import pb, pb_grpc
 from streamkit.protocol.apply import check_apply_changes
+from streamkit.protocol.journal_names import journal_name_problem
 from streamkit.protocol.labels import matches, validate_label_set, validate_selector
-from streamkit.protocol.spec import journal_name_problem, validate_proto
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -347,6 +347,8 @@ def _validate_changes(changes: Sequence[pb.ApplyRequest.Change]) -> None:
 
 
 def _upserted(spec: pb.JournalSpec) -> str:
+    from streamkit.protocol.spec import validate_proto  # pydantic: imported on first Apply
+
     validate_proto(spec)
     return spec.name
 

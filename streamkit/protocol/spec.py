@@ -28,6 +28,11 @@ from pydantic import (
 
 from streamkit.protocol import pb
 from streamkit.protocol.durations import GoDuration, format_duration
+from streamkit.protocol.journal_names import (
+    MAX_JOURNAL_NAME_LEN,
+    MIN_JOURNAL_NAME_LEN,
+    journal_name_problem,
+)
 from streamkit.protocol.labels import (
     META_LABELS,
     label_name_problem,
@@ -57,7 +62,6 @@ __all__ = [
     "validate_proto",
 ]
 
-MIN_JOURNAL_NAME_LEN, MAX_JOURNAL_NAME_LEN = 4, 512
 MAX_REPLICATION = 5
 MIN_FRAGMENT_LENGTH, MAX_FRAGMENT_LENGTH = 1 << 10, 1 << 34
 MIN_REFRESH_INTERVAL, MAX_REFRESH_INTERVAL = timedelta(seconds=1), timedelta(hours=24)
@@ -69,7 +73,6 @@ FLAGS = frozenset(pb.JournalSpec.Flag.values())
 _FLAG_NAMES = tuple(pb.JournalSpec.Flag.keys())
 DEFAULT_FRAGMENT_LENGTH = 1 << 29
 
-_JOURNAL_NAME_RE = re.compile(r"[\w\-+/.=%]*")
 # RFC 2045 media type: type "/" subtype *(";" attribute "=" value).
 _MIME_TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 _MIME_RE = re.compile(
@@ -83,21 +86,6 @@ _MIME_RE = re.compile(
 def _between(value: Any, low: Any, high: Any, show: Any = str) -> None:
     if not low <= value <= high:
         raise ValueError(f"must be between {show(low)} and {show(high)} (got {show(value)})")
-
-
-def journal_name_problem(name: str) -> str | None:
-    """Why ``name`` is not a valid journal name, or None. Also for brokers checking requests."""
-    if not MIN_JOURNAL_NAME_LEN <= len(name) <= MAX_JOURNAL_NAME_LEN:
-        return (
-            f"must be {MIN_JOURNAL_NAME_LEN} to {MAX_JOURNAL_NAME_LEN} characters (got {len(name)})"
-        )
-    if not _JOURNAL_NAME_RE.fullmatch(name):
-        return f"may hold only letters, digits and -_+/.=% (got {name!r})"
-    if name.startswith("/") or name.endswith("/") or "//" in name:
-        return f"must be a relative path without empty segments or a trailing '/' (got {name!r})"
-    if any(segment in (".", "..") for segment in name.split("/")):
-        return f"must not contain '.' or '..' segments (got {name!r})"
-    return None
 
 
 def _codec_name(value: object) -> str:
