@@ -1,9 +1,9 @@
 """Prometheus metrics of consumer shards (a member process serves them on /metrics).
 
 The families are made, and prometheus_client imported, on first use: its import
-(with the HTTP, e-mail and URL modules its exposition code pulls in) costs
-~25 ms, a twentieth of a member's restart, and nothing needs it before a shard
-has read or committed something. A shard's series appear from then on.
+(with the HTTP, e-mail and URL modules its exposition code pulls in) is ~25 ms
+of a member's start-up CPU, and nothing needs it before a shard has read or
+committed something. A shard's series appear from then on.
 """
 
 from __future__ import annotations

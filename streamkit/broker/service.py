@@ -347,7 +347,7 @@ def _validate_changes(changes: Sequence[pb.ApplyRequest.Change]) -> None:
 
 
 def _upserted(spec: pb.JournalSpec) -> str:
-    from streamkit.protocol.spec import validate_proto  # pydantic: imported on first Apply
+    from streamkit.protocol.spec import validate_proto  # (pydantic: see Broker.start)
 
     validate_proto(spec)
     return spec.name
