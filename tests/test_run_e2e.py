@@ -13,10 +13,12 @@ import random
 import re
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 from streamkit.app.config import load_config
 from streamkit.app.member import deploy
+from streamkit.app.member_http import http_url
 from tests.brokerproc import BrokerProcess
 from tests.e2e import (
     AppView,
@@ -349,3 +351,24 @@ async def test_restart_after_sigkill_does_not_wait_out_the_old_lease(
             assert "previous incarnation" in member.text(), member.log()
         finally:
             member.stop()
+
+
+async def test_a_member_lists_its_shard_metrics_before_any_transaction(
+        broker_proc: BrokerProcess, tmp_path: Path) -> None:
+    """Shard metrics are made on first use (streamkit/app/metrics.py); a scrape makes them
+    first, so Prometheus finds every family on a member that has committed nothing yet."""
+    app = copy_wordcount(tmp_path / "wordcount")
+    run = run_app(app, broker_proc.address, tmp_path / "run.log")
+    try:
+        async with AppView(app, broker_proc.address) as view:
+            endpoint = next(iter((await view.wait_serving(timeout=60)).values()))
+        url = f"{http_url(endpoint)}/metrics"
+        with await asyncio.to_thread(urllib.request.urlopen, url, timeout=10) as answer:
+            text = answer.read().decode()
+    finally:
+        run.stop()
+    for family in ("streamkit_shard_messages_total", "streamkit_shard_transactions_total",
+                   "streamkit_shard_txn_phase_seconds", "streamkit_shard_lag_bytes",
+                   "streamkit_shard_skipped_messages_total"):
+        assert f"# TYPE {family} " in text, text[:2000]
+    assert "streamkit_shard_transactions_total{" not in text  # no transaction yet
