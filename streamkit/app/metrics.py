@@ -8,7 +8,7 @@ committed something. A shard's series appear from then on.
 
 from __future__ import annotations
 
-import functools
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,8 +29,20 @@ class _Families:
     skipped: Counter
 
 
-@functools.cache
+_made: _Families | None = None
+_making = threading.Lock()  # first uses come from the event loop and the HTTP API's thread
+
+
 def _families() -> _Families:
+    global _made
+    if _made is None:
+        with _making:  # registering a family twice raises: make them once
+            if _made is None:
+                _made = _make_families()
+    return _made
+
+
+def _make_families() -> _Families:
     from prometheus_client import Counter, Gauge, Histogram
 
     return _Families(
