@@ -7,7 +7,9 @@ property test checks random producer histories against a simple model.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -17,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from streamkit.message import sequencer as sequencer_module
 from streamkit.message.message import Envelope
 from streamkit.message.sequencer import (
     ProducerState,
@@ -605,21 +608,52 @@ def sequence(journal: list[Envelope], run_limit: int) -> tuple[list[int], Sequen
 BULK_KINDS = ["outside"] * 8 + ["continue", "ack", "dup", "restart"]
 
 
+C_SCAN = sequencer_module._scan  # the C scanner (streamkit/message/_runscan.c), if built
+
+
+@contextlib.contextmanager
+def scanning(in_c: bool) -> Iterator[None]:
+    """commit_run with its inner loop in C, or all in Python (as without a compiler)."""
+    if in_c and C_SCAN is None:
+        pytest.skip("streamkit.message._runscan is not built (no C compiler at install)")
+    saved = sequencer_module._scan
+    sequencer_module._scan = C_SCAN if in_c else None
+    try:
+        yield
+    finally:
+        sequencer_module._scan = saved
+
+
+def test_the_c_scanner_is_built_where_a_compiler_is() -> None:
+    """setup.py builds it optionally: a failed build would only show as a slower catch-up."""
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert C_SCAN is not None, "reinstall (pip install -e .) to build _runscan.c"
+
+
+@pytest.mark.parametrize("in_c", [True, False], ids=["c", "python"])
 @settings(max_examples=300, deadline=None)
 @given(actions=st.lists(st.tuples(st.sampled_from(BULK_KINDS), st.integers(0, 2),
                                   st.integers(0, 1000)), min_size=5, max_size=150),
        n_producers=st.integers(1, 3), run_limit=st.integers(1, 40))
-def test_commit_run_matches_one_by_one(actions: list[tuple[str, int, int]], n_producers: int,
-                                       run_limit: int) -> None:
+def test_commit_run_matches_one_by_one(in_c: bool, actions: list[tuple[str, int, int]],
+                                       n_producers: int, run_limit: int) -> None:
     journal, expected = build_history(actions, n_producers)
-    bulk, bulk_seq = sequence(journal, run_limit)
+    with scanning(in_c):
+        bulk, bulk_seq = sequence(journal, run_limit)
     single, single_seq = sequence(journal, 0)
     assert bulk == single == expected
     assert bulk_seq.offsets == single_seq.offsets
     assert by_producer(bulk_seq.checkpoint()) == by_producer(single_seq.checkpoint())
 
 
-def test_commit_run_stops_where_the_per_message_path_is_needed(AB: tuple[bytes, bytes]) -> None:
+@pytest.mark.parametrize("in_c", [True, False], ids=["c", "python"])
+def test_commit_run_stops_where_the_per_message_path_is_needed(
+        in_c: bool, AB: tuple[bytes, bytes]) -> None:
+    with scanning(in_c):
+        _stops_where_needed(AB)
+
+
+def _stops_where_needed(AB: tuple[bytes, bytes]) -> None:
     A, _ = AB
     gen = Gen()
     a1, a2, dup, plain, a3 = gen(A, 10, OUT), gen(A, 11, OUT), gen(A, 11, OUT), gen.plain(), \
@@ -635,3 +669,61 @@ def test_commit_run_stops_where_the_per_message_path_is_needed(AB: tuple[bytes, 
         seq.commit_run(journal, 4, 5)
     assert drain(seq) == [plain]
     assert seq.commit_run(journal, 4, 5) == 5 and seq.offset(JOURNAL) == a3.end
+
+
+# Ways a UUID string may differ from the canonical form that int(..., 16) may still read.
+_MUTATIONS = ["none", "none", "none", "upper", "char", "hyphen", "prefix", "short", "digit"]
+
+
+def _mutated(text: str, how: str, at: int, char: str) -> str:
+    if how == "upper":
+        return text.upper()
+    if how == "char":  # any character in place of one
+        return text[:at] + char + text[at + 1:]
+    if how == "hyphen":  # the first hyphen moved: 36 characters still
+        rest = text[:8] + text[9:]
+        return rest[:at] + "-" + rest[at:]
+    if how == "prefix":  # int() takes "0x" and underscores
+        return "0x" + text.replace("-", "_")[2:]
+    if how == "short":
+        return text[:at]
+    if how == "digit":  # a non-ASCII digit, which int() reads as well
+        return text[:at] + "\u0663" + text[at + 1:]
+    return text
+
+
+@pytest.mark.skipif(C_SCAN is None, reason="streamkit.message._runscan is not built")
+@settings(max_examples=400, deadline=None)
+@given(steps=st.lists(st.tuples(st.integers(0, 1), st.integers(-2, 5), st.sampled_from(_MUTATIONS),
+                                st.integers(0, 35), st.sampled_from("-_ xgG0fF9"),
+                                st.sampled_from([0, 0, 0, 1, 2]), st.booleans()),
+                      min_size=1, max_size=30),
+       run_limit=st.integers(1, 40))
+def test_the_c_scanner_changes_no_outcome(steps: list[tuple], run_limit: int) -> None:
+    """UUID strings off the canonical form (which int() may still read), equal journal names
+    that are not the same object, clocks going back: commit_run ends the same with the C
+    scanner as without it (the scanner stops at anything it does not read itself)."""
+    producers = [new_producer_id(), new_producer_id()]
+    clock = 1000
+    journal: list[Envelope] = []
+    for k, (who, step, how, at, char, flags, same_name) in enumerate(steps):
+        clock += step
+        text = _mutated(str(build_uuid(producers[who], max(clock, 1), flags)), how, at, char)
+        name = JOURNAL if same_name else "".join(list(JOURNAL))  # equal, not identical
+        journal.append(Envelope(name, 100 * k, 100 * k + 90, {"uuid": text, "id": k}))
+    results = []
+    for in_c in (True, False):
+        with scanning(in_c):
+            seq = Sequencer(buffer=1000)
+            ends, index = [], 0
+            while index < len(journal):
+                end = seq.commit_run(journal, index, min(len(journal), index + run_limit))
+                ends.append(end)
+                if end == index:
+                    seq.queue_uncommitted(journal[index])
+                    drain(seq)
+                    index += 1
+                else:
+                    index = end
+            results.append((ends, seq.offsets, by_producer(seq.checkpoint())))
+    assert results[0] == results[1]

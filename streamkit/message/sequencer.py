@@ -61,6 +61,11 @@ _CONTINUE = int(Flags.CONTINUE_TXN)
 _ACK = int(Flags.ACK_TXN)
 _OUTSIDE = int(Flags.OUTSIDE_TXN)
 
+try:  # the bulk path's inner loop in C, where it was built (see _runscan.c)
+    from streamkit.message._runscan import scan as _scan
+except ImportError:  # no compiler at install time: the same loop in Python
+    _scan = None
+
 
 class QueueOutcome(enum.IntEnum):
     """What `Sequencer.queue_uncommitted` decided about an envelope (Gazette's set)."""
@@ -297,46 +302,58 @@ class Sequencer:
         partial: _Partial | None = None
         journal, producer = "", -1
         clock_before = last_clock = 0  # the partial's clock before the run, and now
+        scan = _scan
         index = start
         # Per message: as few big-int operations as the checks allow. The partial's
-        # clocks are written back when the producer changes and at the end.
-        for index in range(start, stop):
-            env = envelopes[index]
-            message = env.message
-            if type(message) is not dict:
-                break
-            raw = message.get("uuid")
-            if type(raw) is not str or len(raw) != 36:
-                break
-            try:
-                value = int(raw.replace("-", ""), 16)
-            except ValueError:
-                break
-            low = value >> 48  # the time fields, then the clock sequence's 16 bits
-            if low & 0x3FF != _OUTSIDE:
-                break
-            stamp = low >> 16  # time_low (32 bits), time_mid (16), version (4), time_hi (12)
-            clock = ((stamp >> 32) | (stamp & 0xFFFF0000) << 16 | (stamp & 0x0FFF) << 48) << 4 | (
-                low >> 10) & 0xF
-            if value & _PRODUCER_MASK != producer or env.journal is not journal:
-                if partial is not None and last_clock != clock_before:
-                    partial.min_clock = partial.max_clock = last_clock
-                partial = None
-                if clock == 0:
+        # clocks are written back when the producer changes and at the end. With the C
+        # scanner, this loop sees only the first message of each producer's stretch (and
+        # the one that ends the run): `scan` goes over the rest.
+        while index < stop:
+            handing_on, resume = False, index
+            for index in range(resume, stop):
+                env = envelopes[index]
+                message = env.message
+                if type(message) is not dict:
                     break
-                journal, producer = env.journal, value & _PRODUCER_MASK
-                partial = partials.get((journal, producer))
-                if partial is None:
-                    partial = partials[journal, producer] = _Partial(journal, producer, clock - 1)
-                elif partial.begin != -1:
+                raw = message.get("uuid")
+                if type(raw) is not str or len(raw) != 36:
+                    break
+                try:
+                    value = int(raw.replace("-", ""), 16)
+                except ValueError:
+                    break
+                low = value >> 48  # the time fields, then the clock sequence's 16 bits
+                if low & 0x3FF != _OUTSIDE:
+                    break
+                stamp = low >> 16  # time_low (32 bits), time_mid (16), version (4), time_hi
+                clock = ((stamp >> 32) | (stamp & 0xFFFF0000) << 16 | (stamp & 0x0FFF) << 48
+                         ) << 4 | (low >> 10) & 0xF
+                if value & _PRODUCER_MASK != producer or env.journal is not journal:
+                    if partial is not None and last_clock != clock_before:
+                        partial.min_clock = partial.max_clock = last_clock
                     partial = None
+                    if clock == 0:
+                        break
+                    journal, producer = env.journal, value & _PRODUCER_MASK
+                    partial = partials.get((journal, producer))
+                    if partial is None:
+                        partial = partials[journal, producer] = _Partial(journal, producer,
+                                                                         clock - 1)
+                    elif partial.begin != -1:
+                        partial = None
+                        break
+                    clock_before = last_clock = partial.min_clock
+                if clock <= last_clock:
                     break
-                clock_before = last_clock = partial.min_clock
-            if clock <= last_clock:
+                last_clock = clock
+                if scan is not None:
+                    handing_on = True
+                    break
+            else:
+                index = stop
+            if not handing_on:
                 break
-            last_clock = clock
-        else:
-            index = stop
+            index, last_clock = scan(envelopes, index + 1, stop, journal, producer, last_clock)
         if partial is not None and last_clock != clock_before:
             partial.min_clock = partial.max_clock = last_clock
         if index > start:
