@@ -28,7 +28,7 @@ from streamkit.message.sequencer import (
     Sequencer,
     uuid_int,
 )
-from streamkit.message.uuid import Flags, build_uuid, new_producer_id, parse_uuid
+from streamkit.message.uuid import Flags, build_uuid, clock_at, new_producer_id, parse_uuid
 
 JOURNAL = "test/journal"
 CONT, ACK, OUT = Flags.CONTINUE_TXN, Flags.ACK_TXN, Flags.OUTSIDE_TXN
@@ -630,6 +630,19 @@ def test_the_c_scanner_is_built_where_a_compiler_is() -> None:
         assert C_SCAN is not None, "reinstall (pip install -e .) to build _runscan.c"
 
 
+@pytest.mark.skipif(C_SCAN is None, reason="streamkit.message._runscan is not built")
+def test_the_c_scanner_hands_what_it_does_not_take_back(AB: tuple[bytes, bytes]) -> None:
+    """Calls the Python loop would take differently (a tuple, a negative index, a Clock out
+    of 64 bits) come back untouched rather than raising."""
+    A, _ = AB
+    envs = [Gen()(A, 5, OUT)]
+    producer = int.from_bytes(A, "big")  # the UUID's node: its low 48 bits
+    assert C_SCAN(envs, 0, 1, JOURNAL, producer, 0)[0] == 1  # (taken)
+    assert C_SCAN(tuple(envs), 0, 1, JOURNAL, producer, 0) == (0, 0)
+    assert C_SCAN(envs, -1, 1, JOURNAL, producer, 0) == (-1, 0)
+    assert C_SCAN(envs, 0, 1 << 70, JOURNAL, producer, 1 << 70) == (0, 1 << 70)
+
+
 @pytest.mark.parametrize("in_c", [True, False], ids=["c", "python"])
 @settings(max_examples=300, deadline=None)
 @given(actions=st.lists(st.tuples(st.sampled_from(BULK_KINDS), st.integers(0, 2),
@@ -700,11 +713,12 @@ def _mutated(text: str, how: str, at: int, char: str) -> str:
                       min_size=1, max_size=30),
        run_limit=st.integers(1, 40))
 def test_the_c_scanner_changes_no_outcome(steps: list[tuple], run_limit: int) -> None:
-    """UUID strings off the canonical form (which int() may still read), equal journal names
-    that are not the same object, clocks going back: commit_run ends the same with the C
-    scanner as without it (the scanner stops at anything it does not read itself)."""
+    """UUID strings off the canonical form (which int() may still read, some as more than 128
+    bits), equal journal names that are not the same object, clocks going back: commit_run
+    commits what queueing one by one does, with the C scanner and without it (the scanner
+    stops at anything it does not read itself)."""
     producers = [new_producer_id(), new_producer_id()]
-    clock = 1000
+    clock = clock_at(1_764_000_000 * 10**9)  # a real time: UUIDs without leading zeros
     journal: list[Envelope] = []
     for k, (who, step, how, at, char, flags, same_name) in enumerate(steps):
         clock += step
@@ -712,18 +726,8 @@ def test_the_c_scanner_changes_no_outcome(steps: list[tuple], run_limit: int) ->
         name = JOURNAL if same_name else "".join(list(JOURNAL))  # equal, not identical
         journal.append(Envelope(name, 100 * k, 100 * k + 90, {"uuid": text, "id": k}))
     results = []
-    for in_c in (True, False):
+    for in_c, limit in ((True, run_limit), (False, run_limit), (False, 0)):
         with scanning(in_c):
-            seq = Sequencer(buffer=1000)
-            ends, index = [], 0
-            while index < len(journal):
-                end = seq.commit_run(journal, index, min(len(journal), index + run_limit))
-                ends.append(end)
-                if end == index:
-                    seq.queue_uncommitted(journal[index])
-                    drain(seq)
-                    index += 1
-                else:
-                    index = end
-            results.append((ends, seq.offsets, by_producer(seq.checkpoint())))
-    assert results[0] == results[1]
+            ids, seq = sequence(journal, limit)
+        results.append((ids, seq.offsets, by_producer(seq.checkpoint())))
+    assert results[0] == results[1] == results[2]

@@ -50,31 +50,37 @@ static int parse_uuid(PyObject *raw, uint64_t *hi, uint64_t *lo) {
     return 1;
 }
 
-/* Whether `env` continues the stretch (its Clock then in *last_clock). */
+/* A missing attribute or key ends the stretch (the Python loop then meets it itself);
+ * any other error (a MemoryError, a KeyboardInterrupt in a property) is raised. */
+static int absent(void) {
+    if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        return 0;
+    }
+    return -1;
+}
+
+/* 1 if `env` continues the stretch (its Clock then in *last_clock), 0 if not, -1 on error. */
 static int step(PyObject *env, PyObject *journal, uint64_t producer, uint64_t *last_clock) {
     PyObject *message = PyObject_GetAttr(env, str_message);
-    if (message == NULL) {
-        PyErr_Clear();
+    if (message == NULL) return absent();
+    if (!PyDict_CheckExact(message)) {
+        Py_DECREF(message);
         return 0;
     }
-    int ok = PyDict_CheckExact(message);
-    PyObject *raw = ok ? PyDict_GetItemWithError(message, str_uuid) : NULL;  /* borrowed */
+    PyObject *raw = PyDict_GetItemWithError(message, str_uuid);  /* borrowed */
     uint64_t hi = 0, lo = 0;
-    ok = ok && raw != NULL && parse_uuid(raw, &hi, &lo);
-    Py_DECREF(message);
-    if (!ok) {
-        PyErr_Clear();
-        return 0;
-    }
+    int ok = raw != NULL && parse_uuid(raw, &hi, &lo);
+    Py_DECREF(message);  /* (raw is not used after this) */
+    if (raw == NULL && PyErr_Occurred()) return -1;
+    if (!ok) return 0;
     /* Flags: the low 10 bits of the clock sequence (OUTSIDE_TXN is 0). */
     if (((lo >> 48) & 0x3FF) != 0 || (lo & 0xFFFFFFFFFFFFULL) != producer) return 0;
     PyObject *env_journal = PyObject_GetAttr(env, str_journal);
-    if (env_journal == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    Py_DECREF(env_journal);  /* only its identity is compared (env still holds it) */
-    if (env_journal != journal) return 0;
+    if (env_journal == NULL) return absent();
+    int same_journal = env_journal == journal;  /* only its identity counts */
+    Py_DECREF(env_journal);
+    if (!same_journal) return 0;
     /* The 60-bit timestamp (time_hi, time_mid, time_low) and the 4-bit sequence. */
     uint64_t clock = ((hi >> 32) | (hi & 0xFFFF0000ULL) << 16 | (hi & 0x0FFFULL) << 48) << 4
                      | ((lo >> 58) & 0xF);
@@ -84,21 +90,21 @@ static int step(PyObject *env, PyObject *journal, uint64_t producer, uint64_t *l
 }
 
 static PyObject *scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6 || !PyList_CheckExact(args[0])) {
+    (void)module;
+    if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError,
-                        "scan(envelopes: list, start, stop, journal, producer, last_clock)");
+                        "scan(envelopes, start, stop, journal, producer, last_clock)");
         return NULL;
     }
     PyObject *envelopes = args[0], *journal = args[3];
-    Py_ssize_t start = PyLong_AsSsize_t(args[1]), stop = PyLong_AsSsize_t(args[2]);
-    if ((start == -1 || stop == -1) && PyErr_Occurred()) return NULL;
-    if (start < 0) {
-        PyErr_SetString(PyExc_ValueError, "start must be >= 0");
-        return NULL;
-    }
-    uint64_t producer = PyLong_AsUnsignedLongLong(args[4]);
-    uint64_t last_clock = PyLong_AsUnsignedLongLong(args[5]);
-    if (PyErr_Occurred()) {  /* out of a Clock's range: leave it all to the Python loop */
+    Py_ssize_t start = PyNumber_AsSsize_t(args[1], NULL);
+    if (start == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t stop = PyNumber_AsSsize_t(args[2], NULL);  /* clamped; the list bounds it */
+    if (stop == -1 && PyErr_Occurred()) return NULL;
+    uint64_t producer = PyLong_AsUnsignedLongLong(args[4]), last_clock = 0;
+    if (!PyErr_Occurred()) last_clock = PyLong_AsUnsignedLongLong(args[5]);
+    if (PyErr_Occurred() || !PyList_CheckExact(envelopes) || start < 0) {
+        /* Not a Clock's range, not a list, a negative index: all left to the Python loop. */
         PyErr_Clear();
         return Py_BuildValue("(nO)", start, args[5]);
     }
@@ -110,6 +116,7 @@ static PyObject *scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_INCREF(env);
         int go_on = step(env, journal, producer, &last_clock);
         Py_DECREF(env);
+        if (go_on < 0) return NULL;
         if (!go_on) break;
     }
     return Py_BuildValue("(nK)", index, (unsigned long long)last_clock);
@@ -129,6 +136,11 @@ PyMODINIT_FUNC PyInit__runscan(void) {
     str_message = PyUnicode_InternFromString("message");
     str_journal = PyUnicode_InternFromString("journal");
     str_uuid = PyUnicode_InternFromString("uuid");
-    if (str_message == NULL || str_journal == NULL || str_uuid == NULL) return NULL;
+    if (str_message == NULL || str_journal == NULL || str_uuid == NULL) {
+        Py_XDECREF(str_message);
+        Py_XDECREF(str_journal);
+        Py_XDECREF(str_uuid);
+        return NULL;
+    }
     return PyModule_Create(&module_def);
 }

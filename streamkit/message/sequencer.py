@@ -322,6 +322,8 @@ class Sequencer:
                     value = int(raw.replace("-", ""), 16)
                 except ValueError:
                     break
+                if value >> 128:  # more than 32 digits (a hyphen's place taken by one)
+                    break
                 low = value >> 48  # the time fields, then the clock sequence's 16 bits
                 if low & 0x3FF != _OUTSIDE:
                     break
