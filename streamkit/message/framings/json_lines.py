@@ -32,6 +32,11 @@ from streamkit.message.framing import (
 )
 from streamkit.message.message import UUID_FIELD, Envelope, Message, MessageLike
 
+try:  # the per-line loop of dict messages in C, where it was built (see _lines.c)
+    from streamkit.message._lines import decode_dicts as _decode_in_c
+except ImportError:  # no C compiler where streamkit was installed: the Python loop
+    _decode_in_c = None
+
 __all__ = ["CONTENT_TYPE", "JsonLinesDecoder", "JsonLinesFraming"]
 
 CONTENT_TYPE = "application/x-ndjson"
@@ -84,12 +89,30 @@ class JsonLinesDecoder(LineDecoderBase):
         return self._decode_typed(lines, begin)
 
     def _decode_dicts(self, lines: list[bytes], begin: int) -> list[Envelope]:
-        # The hot path: kept free of attribute lookups and calls per line.
+        out: list[Envelope] = []
+        decode_in_c = _decode_in_c
+        if decode_in_c is None:
+            self._decode_dicts_here(lines, 0, len(lines), begin, out)
+            return out
+        index, count = 0, len(lines)
+        while True:
+            # C takes the lines that are JSON objects; the one it stops at is reported here.
+            index, begin = decode_in_c(lines, index, begin, self.journal, out, orjson.loads,
+                                       Envelope)
+            if index >= count:
+                return out
+            begin = self._decode_dicts_here(lines, index, index + 1, begin, out)
+            index += 1
+
+    def _decode_dicts_here(self, lines: list[bytes], start: int, stop: int, begin: int,
+                           out: list[Envelope]) -> int:
+        """Decode lines[start:stop] into `out`; the offset after them."""
+        # The hot path without C: kept free of attribute lookups and calls per line.
         journal = self.journal
         loads = orjson.loads
-        out: list[Envelope] = []
         append = out.append
-        for line in lines:
+        for index in range(start, stop):
+            line = lines[index]
             end = begin + len(line) + 1
             try:
                 obj = loads(line)
@@ -101,7 +124,7 @@ class JsonLinesDecoder(LineDecoderBase):
                 else:
                     self._bad_line(line, begin, f"JSON {type(obj).__name__} is not an object")
             begin = end
-        return out
+        return begin
 
     def _decode_typed(self, lines: list[bytes], begin: int) -> list[Envelope]:
         journal = self.journal
