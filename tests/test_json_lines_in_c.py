@@ -4,6 +4,7 @@ the Python loop would decide differently: same envelopes, same reported lines.""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import pickle
 import shutil
 import sys
@@ -66,7 +67,8 @@ _lines = st.one_of(
 def test_c_and_python_decode_the_same(lines: list[bytes], data: st.DataObject) -> None:
     stream = b"".join(line + b"\n" for line in lines)
     cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=6))
-    start = data.draw(st.sampled_from([0, 7, 2**40]))
+    # (offsets near and beyond a C long long are left to the Python loop)
+    start = data.draw(st.sampled_from([0, 7, 2**40, 2**63 - 30, 2**63 - 1, 2**64]))
     in_python = _decode(stream, cuts, start, in_c=False)
     assert _decode(stream, cuts, start, in_c=True) == in_python
     if not any(in_python[1]):  # all good lines: every byte is in an envelope
@@ -120,13 +122,28 @@ def test_odd_calls_are_errors_not_crashes() -> None:
         with pytest.raises(TypeError):
             C_DECODE(bad, 0, 0, JOURNAL, out, orjson.loads, Envelope)
     out.clear()  # (the list's first line was taken before its second failed)
-    for kind in (NoSlots, Fewer, dict, int):
+
+    class Borrowed:  # another class's slot under one of the four names
+        __slots__ = ("begin", "end", "journal", "message")
+
+    Borrowed.journal = Fewer.__dict__["journal"]
+
+    class SameSlot:  # two names, one slot
+        __slots__ = ("begin", "end", "journal", "message")
+
+    SameSlot.end = SameSlot.__dict__["begin"]
+
+    for kind in (NoSlots, Fewer, Borrowed, SameSlot, dict, list, int):
         with pytest.raises(TypeError, match="not a slotted"):
             C_DECODE([b"{}"], 0, 0, JOURNAL, out, orjson.loads, kind)
     with pytest.raises(ValueError):
         C_DECODE([b"{}"], -1, 0, JOURNAL, out, orjson.loads, Envelope)
-    with pytest.raises(TypeError):
-        C_DECODE([b"{}"], 0, "0", JOURNAL, out, orjson.loads, Envelope)
+    with pytest.raises(TypeError, match="must be a class"):
+        C_DECODE([b"{}"], 0, 0, JOURNAL, out, orjson.loads, "Envelope")
+    # An offset that is not an int, or beyond a C long long, is handed back untouched.
+    for begin in ("0", 2**63, -1):
+        assert C_DECODE([b"{}"], 0, begin, JOURNAL, out, orjson.loads, Envelope) == (0, begin)
+    assert C_DECODE([b"{}"], 0, 2**63 - 3, JOURNAL, out, orjson.loads, Envelope) == (0, 2**63 - 3)
     assert out == []
 
     def raises(line: bytes) -> Any:
@@ -144,7 +161,7 @@ def test_odd_calls_are_errors_not_crashes() -> None:
     assert C_DECODE(lines, 0, 0, JOURNAL, out, shrinking, Envelope) == (3, 9)
     out.clear()
     assert C_DECODE([b"{}"], 0, True, JOURNAL, out, orjson.loads, Envelope) == (1, 4)
-    assert type(out[0].begin) is int and out[0].begin == 1
+    assert out[0].begin is True  # as the Python loop has it
 
 
 @needs_c
@@ -165,3 +182,13 @@ def test_the_c_decoder_holds_no_references_it_should_not() -> None:
         with pytest.raises(RuntimeError):
             C_DECODE(lines, 0, begin, journal, [], failing, Envelope)
     assert (sys.getrefcount(journal), sys.getrefcount(begin)) == before
+
+
+@needs_c
+def test_envelopes_hold_one_reference_to_each_message_and_end() -> None:
+    message: dict[str, Any] = {}
+    out: list[Envelope] = []
+    C_DECODE([b"x"] * 3, 0, 2**40, JOURNAL, out, lambda line: message, Envelope)
+    assert sys.getrefcount(message) == 2 + 3
+    assert [sys.getrefcount(e.end) for e in out] == [3, 3, 2]  # shared with the next begin
+    assert gc.is_tracked(out[0])

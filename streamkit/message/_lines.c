@@ -25,19 +25,25 @@ static PyObject *field_strs[FIELDS];
 
 /* The byte offsets of the four slots in an instance of `type`; 0 on success. */
 static int slot_offsets(PyTypeObject *type, Py_ssize_t offsets[FIELDS]) {
-    if (type->tp_dictoffset != 0 || type->tp_itemsize != 0) goto wrong;
+    /* A heap type: static builtin types have no tp_dict of their own on 3.12+. */
+    if (!PyType_HasFeature(type, Py_TPFLAGS_HEAPTYPE) || type->tp_dict == NULL
+            || type->tp_dictoffset != 0 || type->tp_itemsize != 0) goto wrong;
     for (int i = 0; i < FIELDS; i++) {
         PyObject *descr = PyDict_GetItemWithError(type->tp_dict, field_strs[i]);  /* borrowed */
         if (descr == NULL) {
             if (PyErr_Occurred()) return -1;
             goto wrong;
         }
-        if (Py_TYPE(descr) != &PyMemberDescr_Type) goto wrong;
+        /* The type's own slot (not a descriptor taken from another class). */
+        if (Py_TYPE(descr) != &PyMemberDescr_Type || PyDescr_TYPE(descr) != type) goto wrong;
         PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
         if (member->type != T_OBJECT_EX || (member->flags & READONLY)
                 || member->offset < (Py_ssize_t)sizeof(PyObject)
                 || member->offset + (Py_ssize_t)sizeof(PyObject *) > type->tp_basicsize) {
             goto wrong;
+        }
+        for (int j = 0; j < i; j++) {
+            if (offsets[j] == member->offset) goto wrong;  /* two names, one slot */
         }
         offsets[i] = member->offset;
     }
@@ -70,8 +76,12 @@ static PyObject *decode_dicts(PyObject *module, PyObject *const *args, Py_ssize_
         return NULL;
     }
     PyObject *lines = args[0], *journal = args[3], *out = args[4], *loads = args[5];
-    if (!PyList_CheckExact(lines) || !PyList_CheckExact(out) || !PyType_Check(args[6])) {
+    if (!PyList_CheckExact(lines) || !PyList_CheckExact(out)) {
         PyErr_SetString(PyExc_TypeError, "decode_dicts: lines and out must be lists");
+        return NULL;
+    }
+    if (!PyType_Check(args[6])) {
+        PyErr_SetString(PyExc_TypeError, "decode_dicts: envelope_type must be a class");
         return NULL;
     }
     PyTypeObject *type = (PyTypeObject *)args[6];
@@ -79,16 +89,19 @@ static PyObject *decode_dicts(PyObject *module, PyObject *const *args, Py_ssize_
     if (slot_offsets(type, offsets) < 0) return NULL;
     Py_ssize_t index = PyNumber_AsSsize_t(args[1], PyExc_OverflowError);
     if (index == -1 && PyErr_Occurred()) return NULL;
-    long long begin = PyLong_AsLongLong(args[2]);
-    if (begin == -1 && PyErr_Occurred()) return NULL;
     if (index < 0) {
         PyErr_SetString(PyExc_ValueError, "decode_dicts: start must not be negative");
         return NULL;
     }
+    /* An offset that is not an int, or beyond a long long, is left to the Python loop. */
+    long long begin = PyLong_Check(args[2]) ? PyLong_AsLongLong(args[2]) : -1;
+    if (begin < 0) {
+        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_OverflowError)) return NULL;
+        PyErr_Clear();
+        return Py_BuildValue("(nO)", index, args[2]);
+    }
     /* Each line's begin is the line before's end: one int per line, as in Python. */
-    PyObject *begin_obj = PyLong_CheckExact(args[2]) ? Py_NewRef(args[2])
-                                                     : PyLong_FromLongLong(begin);
-    if (begin_obj == NULL) return NULL;
+    PyObject *begin_obj = Py_NewRef(args[2]);
     /* The size is checked and the line held each time round: `loads` is any callable. */
     for (; index < PyList_GET_SIZE(lines); index++) {
         PyObject *line = PyList_GET_ITEM(lines, index);
@@ -96,13 +109,14 @@ static PyObject *decode_dicts(PyObject *module, PyObject *const *args, Py_ssize_
             PyErr_SetString(PyExc_TypeError, "decode_dicts: lines must be bytes");
             goto error;
         }
+        if (begin > LLONG_MAX - 1 - PyBytes_GET_SIZE(line)) break;  /* end would overflow */
         Py_INCREF(line);
         long long end = begin + PyBytes_GET_SIZE(line) + 1;
         PyObject *message = PyObject_Vectorcall(loads, &line, 1, NULL);
         Py_DECREF(line);
         if (message == NULL) {
             if (!PyErr_ExceptionMatches(PyExc_ValueError)) goto error;
-            PyErr_Clear();  /* invalid JSON: the Python loop reports it */
+            PyErr_Clear();  /* invalid JSON: the Python loop parses it again and reports it */
             break;
         }
         if (!PyDict_CheckExact(message)) {
@@ -144,7 +158,10 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC PyInit__lines(void) {
     for (int i = 0; i < FIELDS; i++) {
         field_strs[i] = PyUnicode_InternFromString(field_names[i]);
-        if (field_strs[i] == NULL) return NULL;
+        if (field_strs[i] == NULL) {
+            while (i-- > 0) Py_CLEAR(field_strs[i]);
+            return NULL;
+        }
     }
     return PyModule_Create(&module_def);
 }
