@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from streamkit.client import AppendService, BrokerClient, list_journals
-from streamkit.message.framing import UnknownFraming
+from streamkit.message.framing import UnknownFraming, framing_for
 from streamkit.message.mapping import (
     EmptyPartitions,
     MappingFunc,
@@ -191,3 +191,24 @@ async def test_messages_without_uuids_get_no_acknowledgement(
 def test_producer_id_must_be_six_bytes() -> None:
     with pytest.raises(ValueError, match="6 bytes"):
         Publisher(AppendService(BrokerClient("127.0.0.1:1")), producer=b"short")
+
+
+@pytest.mark.parametrize("content_type", [NDJSON, "text/csv"])
+async def test_a_dict_is_framed_as_its_framing_encodes_it(
+    client: BrokerClient, service: AppendService, content_type: str
+) -> None:
+    """ndjson's `frame_dict` (the Publisher's short way for dicts) and csv's `encode` (it has
+    no frame_dict) give the bytes `encode` gives for the message with its UUID."""
+    (journal,) = await topic(client, 1, content_type=content_type)
+    publisher = Publisher(service)
+    messages = [{"n": n, "text": "a, \"quoted\"\nline", "ok": n % 2 == 0} for n in range(3)]
+    for message in messages:
+        await publisher.publish_uncommitted(lambda m: (journal, content_type), message)
+    (intent,) = publisher.build_ack_intents()
+    end = (await (await service.append(journal, intent.content))).commit.end
+    framing = framing_for(content_type)
+    expected = bytearray()
+    for message in messages:  # each now holds the UUID it was published with
+        framing.encode(message, expected)
+    assert (await read_range(client, journal, 0, end)).startswith(bytes(expected))
+    assert (getattr(framing, "frame_dict", None) is not None) == (content_type == NDJSON)

@@ -117,7 +117,11 @@ class FrameDecoder(Protocol):
 
 @runtime_checkable
 class Framing(Protocol):
-    """Encodes messages to frames and makes decoders for a content-type."""
+    """Encodes messages to frames and makes decoders for a content-type.
+
+    A framing may also have `frame_dict(message: dict) -> bytes`, returning the
+    frame `encode` would append for a dict message: publishers then use it.
+    """
 
     content_type: str
 

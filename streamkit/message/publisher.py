@@ -22,7 +22,9 @@ publish concurrently.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from streamkit.client.append_service import AppendService, OpFuture
 from streamkit.message.framing import Framing, framing_for
@@ -40,6 +42,7 @@ from streamkit.message.uuid import Clock, Flags, UuidText, build_uuid, new_produ
 __all__ = ["AckIntent", "Publisher"]
 
 _UPDATE_EVERY_NS = 1_000_000  # how stale an owned Clock may get before it reads wall time
+_OUTSIDE_TXN, _CONTINUE_TXN = int(Flags.OUTSIDE_TXN), int(Flags.CONTINUE_TXN)  # (the hot path's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +82,8 @@ class Publisher:
         self.producer = new_producer_id() if producer is None else producer
         self._uuid_text = UuidText(self.producer)  # checks that it is 6 bytes
         self._next_update = 0  # monotonic ns after which an owned clock reads wall time again
-        self._framings: dict[str, Framing] = {}
+        # Per content-type: its framing, and the framing's `frame_dict` if it has one.
+        self._framings: dict[str, tuple[Framing, Callable[[dict[str, Any]], bytes] | None]] = {}
         self._pending: dict[str, _Pending] = {}
         self._buffer = bytearray()  # reused for every frame
 
@@ -89,8 +93,7 @@ class Publisher:
         Validation, mapping and framing errors are raised before anything is
         appended. Await the OpFuture (or `service.flush()`) for durability.
         """
-        journal, framing = self._route(mapping, message)
-        frame = self._sequenced_frame(framing, message, Flags.OUTSIDE_TXN)
+        journal, _, frame = self._frame(mapping, message, _OUTSIDE_TXN)
         return await self.service.append(journal, frame)
 
     async def publish_uncommitted(self, mapping: MappingFunc, message: MessageLike) -> OpFuture:
@@ -101,8 +104,7 @@ class Publisher:
 
     def publish_uncommitted_nowait(self, mapping: MappingFunc, message: MessageLike) -> OpFuture:
         """`publish_uncommitted` for synchronous callers, who yield to the loop regularly."""
-        journal, framing = self._route(mapping, message)
-        frame = self._sequenced_frame(framing, message, Flags.CONTINUE_TXN)
+        journal, framing, frame = self._frame(mapping, message, _CONTINUE_TXN)
         if journal not in self._pending and uses_uuid(message):
             # Without UUIDs readers can't tell an ACK from data: such types get none.
             self._pending[journal] = _Pending(framing, new_acknowledgement(message, journal))
@@ -117,33 +119,57 @@ class Publisher:
         """
         intents = []
         for journal, pending in self._pending.items():
-            frame = self._sequenced_frame(pending.framing, pending.acknowledgement, Flags.ACK_TXN)
+            frame = self._encode(pending.framing, pending.acknowledgement, self._tick(),
+                                 Flags.ACK_TXN)
             intents.append(AckIntent(journal, frame))
         self._pending.clear()
         return intents
 
     # --- the hot path -------------------------------------------------------
 
-    def _route(self, mapping: MappingFunc, message: MessageLike) -> tuple[str, Framing]:
-        """Validate and map (the UUID isn't set yet: it depends on the journal's order)."""
-        validate_message(message)
-        journal, content_type = mapping(message)
-        framing = self._framings.get(content_type)
-        if framing is None:
-            framing = self._framings[content_type] = framing_for(content_type)
-        return journal, framing
+    def _frame(self, mapping: MappingFunc, message: MessageLike, flags: int
+               ) -> tuple[str, Framing, bytes]:
+        """Validate, map, give the next UUID and frame: the journal, its framing and the
+        frame (the caller appends it with no await between, which keeps clocks in order).
 
-    def _sequenced_frame(self, framing: Framing, message: MessageLike, flags: Flags) -> bytes:
-        """Give `message` the next UUID and frame it (the caller appends with no await between)."""
+        The UUID is set after mapping, since it depends on the journal's order. Dicts
+        (no validation of their own) are the common case and take the shortest way.
+        """
+        is_dict = type(message) is dict
+        if not is_dict:
+            validate_message(message)
+        journal, content_type = mapping(message)
+        framed = self._framings.get(content_type)
+        if framed is None:
+            framing = framing_for(content_type)
+            framed = self._framings[content_type] = (framing, getattr(framing, "frame_dict", None))
+        framing, frame_dict = framed
+        clock = self._tick()
+        if not is_dict:
+            return journal, framing, self._encode(framing, message, clock, flags)
+        message[UUID_FIELD] = self._uuid_text(clock, flags)
+        if frame_dict is not None:
+            return journal, framing, frame_dict(message)
+        return journal, framing, self._buffered(framing, message)
+
+    def _tick(self) -> int:
+        """The next Clock value (an owned clock reads wall time at most once a millisecond)."""
         if self._owns_clock:
             now = time.monotonic_ns()
             if now >= self._next_update:
                 self._next_update = now + _UPDATE_EVERY_NS
                 self.clock.update()
-        if type(message) is dict:  # the common case, without a uuid.UUID object
-            message[UUID_FIELD] = self._uuid_text(self.clock.tick(), flags)
+        return self.clock.tick()
+
+    def _encode(self, framing: Framing, message: MessageLike, clock: int, flags: int) -> bytes:
+        """`message` with the UUID of `clock` and `flags`, framed."""
+        if type(message) is dict:
+            message[UUID_FIELD] = self._uuid_text(clock, flags)
         else:
-            set_uuid(message, build_uuid(self.producer, self.clock.tick(), flags))
+            set_uuid(message, build_uuid(self.producer, clock, flags))
+        return self._buffered(framing, message)
+
+    def _buffered(self, framing: Framing, message: MessageLike) -> bytes:
         buffer = self._buffer
         del buffer[:]  # also drops what a failed encode left behind
         framing.encode(message, buffer)

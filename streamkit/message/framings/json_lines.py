@@ -17,6 +17,7 @@ line is always exactly one frame, so a shard may skip or dead-letter just it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import orjson
@@ -48,6 +49,9 @@ class JsonLinesFraming:
     """Newline-delimited JSON framing."""
 
     content_type = CONTENT_TYPE
+    # A dict's frame as bytes, what `encode` appends (the Publisher's shortest way; a
+    # partial, not a method, to save a Python call per message).
+    frame_dict = functools.partial(orjson.dumps, option=_DUMP_OPTIONS)
 
     def encode(self, message: MessageLike, out: bytearray) -> None:
         """Append the message's JSON and a newline to `out`."""
