@@ -1,6 +1,7 @@
 """How soon `streamkit run` serves: from its command, and again after a SIGKILL.
 
     python bench/startup_bench.py [--rounds 5] [--history 20000,400000]
+                                  [--busy LINES [--busy-after 3.5]]
 
 * start: `streamkit run` of a fresh copy of examples/wordcount (8 shards, RocksDB) with
   its bundled broker, timed from the command until every shard answers a query
@@ -11,6 +12,11 @@
   is bounded by the vocabulary (10,000 words), so comparing histories shows whether
   recovery grows with history (it should not: playback starts from the hints, which
   name only the live files' parts of the recovery log).
+* busy restart (`--busy LINES`): the same, but killed in the middle of a catch-up:
+  LINES lines wait in the broker, and the app is SIGKILLed `--busy-after` seconds
+  after it first serves (past its first commit, with a transaction open and its
+  store being written), then timed until it serves again. Each round goes on
+  where the one before left the app, so LINES must outlast the rounds.
 
 Commands run with bytecode caching on (as an installed streamkit would), rounds
 alternate, and the best and median of each are printed.
@@ -34,7 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.backfill_bench import copy_app  # noqa: E402
+from bench.backfill_bench import copy_app, preload  # noqa: E402
 from bench.common import machine  # noqa: E402
 from bench.wordcount_bench import (  # noqa: E402
     heads,
@@ -125,6 +131,29 @@ async def restart_once(tmp: Path, broker: BrokerProcess, history: int, index: in
         stop_run(proc)
 
 
+async def busy_restarts(tmp: Path, broker: BrokerProcess, lines: int, rounds: int,
+                        after: float) -> list[float]:
+    """Restarts after a SIGKILL `after` seconds into a catch-up of `lines` lines."""
+    app = copy_app(tmp, "busy", "wc-busy")
+    await preload(broker, [app], lines_file(lines).read_text().splitlines())
+    times = []
+    for index in range(rounds):
+        proc = run_command(app, tmp, "--broker", broker.address)
+        try:
+            await until_serving(app, proc, time.monotonic())
+            await asyncio.sleep(after)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            started = time.monotonic()
+            proc = run_command(app, tmp, "--broker", broker.address)
+            times.append(await until_serving(app, proc, started))
+        finally:
+            stop_run(proc)
+        print(f"round {index}: restart in the middle of a catch-up {times[-1]:.3f} s",
+              file=sys.stderr, flush=True)
+    return times
+
+
 def summary(times: list[float]) -> dict[str, Any]:
     ordered = sorted(times)
     return {"runs": [round(t, 3) for t in times], "best_s": round(ordered[0], 3),
@@ -144,10 +173,13 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 restarts[history].append(await restart_once(tmp, broker, history, index))
                 print(f"round {index}: restart after {history:,} lines "
                       f"{restarts[history][-1]:.3f} s", file=sys.stderr, flush=True)
+        busy = (await busy_restarts(tmp, broker, args.busy, args.rounds, args.busy_after)
+                if args.busy else [])
     finally:
         broker.kill()
     return {"start_until_queries": summary(starts),
             **{f"restart_after_{h}_lines": summary(t) for h, t in restarts.items()},
+            **({"restart_mid_catch_up": summary(busy)} if busy else {}),
             "load": os.getloadavg()[0], "machine": machine()}
 
 
@@ -156,6 +188,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--history", default="20000,400000",
                         help="lines consumed before each SIGKILL (comma-separated)")
+    parser.add_argument("--busy", type=int, default=0, metavar="LINES",
+                        help="also restart after SIGKILLs in the middle of a catch-up of "
+                             "LINES lines (0: not)")
+    parser.add_argument("--busy-after", type=float, default=3.5, metavar="SECONDS",
+                        help="how long after serving the busy app is killed")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.history = [int(h) for h in args.history.split(",")]
