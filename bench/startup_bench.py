@@ -16,7 +16,9 @@
   LINES lines wait in the broker, and the app is SIGKILLed `--busy-after` seconds
   after it first serves (past its first commit, with a transaction open and its
   store being written), then timed until it serves again. Each round goes on
-  where the one before left the app, so LINES must outlast the rounds.
+  where the one before left the app, so LINES must outlast the rounds. Before
+  the kill, queries go to the catching-up shards every 0.2 s: their latency is
+  printed too (a query sees committed state, so it waits for the commit in flight).
 
 Commands run with bytecode caching on (as an installed streamkit would), rounds
 alternate, and the best and median of each are printed.
@@ -132,16 +134,25 @@ async def restart_once(tmp: Path, broker: BrokerProcess, history: int, index: in
 
 
 async def busy_restarts(tmp: Path, broker: BrokerProcess, lines: int, rounds: int,
-                        after: float) -> list[float]:
-    """Restarts after a SIGKILL `after` seconds into a catch-up of `lines` lines."""
+                        after: float) -> tuple[list[float], list[float]]:
+    """Restarts after a SIGKILL `after` seconds into a catch-up of `lines` lines, and the
+    latencies of queries made meanwhile."""
     app = copy_app(tmp, "busy", "wc-busy")
     await preload(broker, [app], lines_file(lines).read_text().splitlines())
-    times = []
+    config = load_config(app)
+    times: list[float] = []
+    latencies: list[float] = []
     for index in range(rounds):
         proc = run_command(app, tmp, "--broker", broker.address)
         try:
             await until_serving(app, proc, time.monotonic())
-            await asyncio.sleep(after)
+            async with open_keyspace(str(config.data_dir / "keyspace.db")) as keyspace:
+                (url,) = await member_urls(Resolver(config, keyspace))
+            until = time.monotonic() + after
+            while time.monotonic() < until:
+                shard = f"shard-{len(latencies) % config.shards:03}"
+                latencies.append(await asyncio.to_thread(_query_time, url, shard))
+                await asyncio.sleep(0.2)
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             started = time.monotonic()
@@ -151,7 +162,24 @@ async def busy_restarts(tmp: Path, broker: BrokerProcess, lines: int, rounds: in
             stop_run(proc)
         print(f"round {index}: restart in the middle of a catch-up {times[-1]:.3f} s",
               file=sys.stderr, flush=True)
-    return times
+    return times, latencies
+
+
+def _query_time(url: str, shard: str) -> float:
+    """Seconds one query of `shard` took to answer (however long)."""
+    started = time.monotonic()
+    request = urllib.request.Request(f"{url}/query/{shard}", data=b'{"word": "the"}',
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        json.loads(response.read())
+    return time.monotonic() - started
+
+
+def _latency_summary(latencies: list[float]) -> dict[str, Any]:
+    ordered = sorted(latencies)
+    return {"queries": len(ordered), "median_ms": round(1000 * ordered[len(ordered) // 2]),
+            "p90_ms": round(1000 * ordered[int(0.9 * len(ordered))]),
+            "max_ms": round(1000 * ordered[-1])}
 
 
 def summary(times: list[float]) -> dict[str, Any]:
@@ -173,13 +201,15 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 restarts[history].append(await restart_once(tmp, broker, history, index))
                 print(f"round {index}: restart after {history:,} lines "
                       f"{restarts[history][-1]:.3f} s", file=sys.stderr, flush=True)
-        busy = (await busy_restarts(tmp, broker, args.busy, args.rounds, args.busy_after)
-                if args.busy else [])
+        busy, latencies = (
+            await busy_restarts(tmp, broker, args.busy, args.rounds, args.busy_after)
+            if args.busy else ([], []))
     finally:
         broker.kill()
     return {"start_until_queries": summary(starts),
             **{f"restart_after_{h}_lines": summary(t) for h, t in restarts.items()},
-            **({"restart_mid_catch_up": summary(busy)} if busy else {}),
+            **({"restart_mid_catch_up": summary(busy),
+                "query_during_catch_up": _latency_summary(latencies)} if busy else {}),
             "load": os.getloadavg()[0], "machine": machine()}
 
 

@@ -404,51 +404,6 @@ async def test_waits_for_an_ack_at_most_until_the_max_duration(run_loop: Any) ->
     assert closed(h) == [(1.0, [1])]
 
 
-# --- queries between transactions ------------------------------------------------------
-
-
-async def _query(h: Harness, answers: list[tuple[int, int]]) -> None:
-    """What a query does: get between transactions, and note where it got in."""
-    async with h.loop.between_transactions():
-        answers.append((h.app.txn, len(h.store.commits)))
-
-
-async def test_a_waiting_query_closes_a_long_transaction_after_its_min(run_loop: Any) -> None:
-    h = await run_loop(min_txn=0.4, max_txn=10.0, hold=False)
-    answers: list[tuple[int, int]] = []
-    asking: list[asyncio.Task[None]] = []
-
-    def slow(n: int) -> None:  # a catch-up: messages at hand all along, each 1/64 s
-        h.clock.advance_to(h.clock.time + 1 / 64)
-        if n == 2:
-            asking.append(asyncio.ensure_future(_query(h, answers)))
-
-    h.app.on_consume = slow
-    h.input.committed(*range(200))
-    await until(lambda: answers != [], "the query answered")
-    # The query got in at the loop's first look at it past the min duration (every
-    # _CHECK_EVERY messages), not at the max: between transaction 1's commit and 2.
-    assert closed(h)[0] == (0.5, list(range(32)))
-    assert answers == [(1, 1)]
-    await until(lambda: sum(map(len, h.app.consumed.values())) == 200, "everything consumed")
-    assert asking[0].done()
-
-
-async def test_a_waiting_query_closes_a_transaction_waiting_for_an_ack(run_loop: Any) -> None:
-    h = await run_loop(max_txn=10.0)
-    _open_producer_txn(h)
-    await until(lambda: h.clock.deadline == 10.0, "wait for the ACK")
-    answers: list[tuple[int, int]] = []
-    asking = asyncio.ensure_future(_query(h, answers))
-    await until(lambda: len(h.store.commits) == 1, "the commit, without the ACK")
-    assert closed(h) == [(0.0, [1])]
-    await settle()
-    assert answers == []  # the query sees committed state only: the commit is in flight
-    h.store.resolve(0)
-    await until(asking.done, "the query answered")
-    assert answers == [(1, 1)]
-
-
 # --- pipelining -------------------------------------------------------------------------
 
 

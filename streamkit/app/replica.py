@@ -189,7 +189,8 @@ class Replica:
         loop, store = self.loop, self.store
         if self.status.code != Code.PRIMARY or loop is None or store is None:
             raise QueryError(f"shard {self.id} is not serving here")
-        async with loop.between_transactions():  # answers reflect committed state only
+        async with loop.lock:
+            await loop.wait_committed()  # answers reflect committed state only
             with loop.hooks.call("query", asyncio.iscoroutinefunction(self.app.query)):
                 answer = self.app.query(self.shard, store, request)
                 if asyncio.iscoroutine(answer):

@@ -16,13 +16,10 @@ finished. Its length is bounded by the shard's min and max durations:
   max duration;
 * otherwise it commits.
 
-Being asked to stop closes the open transaction too, and so does a query waiting
-to see the store between transactions, once the transaction has run its min
-duration (a query waits for about a commit, not for the rest of a catch-up's
-long transaction). These rules are one pure predicate, `must_close`; the loop
-around it is a few named steps (see `TransactionLoop`), and it measures and
-waits by an injectable clock (`streamkit.app.txn_clock`), so tests drive it
-deterministically.
+Being asked to stop closes the open transaction too. These rules are one pure
+predicate, `must_close`; the loop around it is a few named steps (see
+`TransactionLoop`), and it measures and waits by an injectable clock
+(`streamkit.app.txn_clock`), so tests drive it deterministically.
 
 ACKs are queued right when the commit starts, with the commit as their
 dependency, so in every journal they precede whatever the next transaction
@@ -47,12 +44,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import functools
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -280,10 +276,8 @@ class TransactionLoop:
         self._previous: asyncio.Task[None] | None = None
         self.last_commit: float | None = None  # wall time the last transaction was acknowledged
         # Held from a transaction's first message until its commit started: queries take it
-        # (`between_transactions`) to see the store between transactions.
+        # to see the store between transactions.
         self.lock = asyncio.Lock()
-        self._asking = 0  # callers waiting to get between transactions (queries)
-        self._asked = asyncio.Event()  # set while any is: it wakes a transaction waiting
         self._number = 0  # of the transaction begun last (1 is the first since the restore)
         self._open = False  # whether transaction _number is open (begun, commit not started)
         self._phase = "read"  # of the open transaction, or "read" for the next one's input
@@ -331,34 +325,6 @@ class TransactionLoop:
                 return await call(*args)
 
         return marked
-
-    @contextlib.asynccontextmanager
-    async def between_transactions(self) -> AsyncIterator[None]:
-        """Hold the loop between two transactions, once the last commit is durable (a query
-        of committed state does).
-
-        A caller waiting here closes the open transaction once it has run its min
-        duration, as a stop request would: it then waits for about a commit, not for
-        the rest of a transaction (a catch-up's last the max duration).
-        """
-        self._asking += 1
-        self._asked.set()
-        try:
-            await self.lock.acquire()
-        finally:
-            self._asking -= 1
-            if not self._asking:
-                self._asked.clear()
-        try:
-            await self.wait_committed()
-            yield
-        finally:
-            self.lock.release()
-
-    def _closing(self, stopping: asyncio.Event, elapsed: float) -> bool:
-        """Whether a stop request, or a caller waiting to get between transactions (past
-        the min duration), closes the open transaction."""
-        return stopping.is_set() or (self._asking > 0 and elapsed >= self.min_duration)
 
     async def wait_committed(self) -> None:
         """Until the last started commit is durable and acknowledged (raises if it failed)."""
@@ -412,7 +378,7 @@ class TransactionLoop:
                 elapsed,
                 min_duration,
                 max_duration,
-                stopping=self._closing(stopping, elapsed),
+                stopping=stopping.is_set(),
                 ready=ready,
                 committing=committing,
                 acks_pending=acks,
@@ -465,7 +431,7 @@ class TransactionLoop:
                 t - started,
                 min_duration,
                 max_duration,
-                stopping=self._closing(stopping, t - started),
+                stopping=stopping.is_set(),
                 ready=True,
                 committing=False,
                 acks_pending=False,
@@ -528,7 +494,7 @@ class TransactionLoop:
             waits = [source.wait_ready(), stopping.wait()]
             await clock.wait(waits, self._started + self.min_duration)
         else:  # an ACK is probably on its way: wait for it, at most until the max duration
-            waits = [source.wait_ready(), stopping.wait(), self._asked.wait()]
+            waits = [source.wait_ready(), stopping.wait()]
             await clock.wait(waits, self._started + self.max_duration)
         self._check_previous()
 
