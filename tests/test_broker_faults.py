@@ -277,6 +277,29 @@ def test_a_client_vanishing_mid_put_is_rolled_back_quietly(tmp_path: Path) -> No
         broker.kill()
 
 
+def test_a_reader_killed_mid_stream_ends_its_read_quietly(tmp_path: Path) -> None:
+    broker = BrokerProcess(tmp_path / "broker").start()
+    try:
+        journals = wire.stub(broker.address)
+        wire.create(journals, wire.spec("gone/read", length=64 << 20))
+        for _ in range(40):
+            wire.append(journals, "gone/read", os.urandom(256 << 10))
+        for _ in range(2):
+            # It stops taking what it reads (its stdout is never drained), so the broker
+            # is sending when the reader is killed.
+            reader = subprocess.Popen(
+                [sys.executable, "-m", "streamkit.cli.main", "journals", "read", "gone/read",
+                 "--broker", broker.address], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            time.sleep(1.0)
+            reader.kill()
+            reader.wait()
+        content, _ = wire.read(journals, "gone/read", end=1 << 20)
+        assert len(content) == 1 << 20  # still serving reads
+        assert "Traceback" not in broker.log() and "ERROR" not in broker.log(), broker.log()
+    finally:
+        broker.kill()
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 12 MiB tmpfs (skipped where the test may not mount one)."""

@@ -16,6 +16,7 @@ journal it does not cover, before or after the change.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -45,6 +46,11 @@ LIST_CHUNK = 25  # journals per ListResponse message, as Gazette sends them
 MAX_FRAGMENTS_PAGE = 10_000
 DEFAULT_FRAGMENTS_PAGE = 1_000
 APPEND_CHUNK_TIMEOUT = 30.0  # default: a stalled appender holding the journal is rolled back
+# What gRPC raises when a response cannot be sent because the peer left the call (a
+# reader killed mid-stream). It is gRPC's own class; where a version lacks it, nothing
+# is caught and such a failure is logged as before.
+_WRITE_FAILED: type[BaseException] | tuple[()] = getattr(
+    grpc._cython.cygrpc, "ExecuteBatchError", ())
 
 
 class BadRequest(StreamkitError, ValueError):
@@ -207,22 +213,28 @@ class JournalService(pb_grpc.JournalServicer):
 
     # --- Read -------------------------------------------------------------
 
-    async def Read(self, request: pb.ReadRequest, context) -> AsyncIterator[pb.ReadResponse]:
+    async def Read(self, request: pb.ReadRequest, context) -> None:
+        # Responses are written, not yielded: a reader gone mid-stream then ends the call
+        # quietly (a yielded response gRPC cannot send is logged as an error, traceback
+        # and all).
         await self._check(context, "Read", _validate_read, request)
         try:
             replica = _visible(await self.registry.replica(request.journal), request.journal)
         except JournalFault as fault:
             await self._fault(context, "Read", fault)
         if replica is None:
-            yield pb.ReadResponse(status=pb.JOURNAL_NOT_FOUND, header=self.header())
+            await _send(context, pb.ReadResponse(status=pb.JOURNAL_NOT_FOUND, header=self.header()))
             return
         if not _is_readable(replica.spec):
-            yield pb.ReadResponse(status=pb.NOT_ALLOWED, header=self.header())
+            await _send(context, pb.ReadResponse(status=pb.NOT_ALLOWED, header=self.header()))
             return
         metrics.READS_OPEN.inc()
         try:
-            async for response in ReadStream(replica, request, self.header()).responses():
-                yield response
+            responses = ReadStream(replica, request, self.header()).responses()
+            async with contextlib.aclosing(responses):
+                async for response in responses:
+                    if not await _send(context, response):
+                        return
         except JournalFault as fault:  # the read can't go on: it ends, saying why
             await self._fault(context, "Read", fault)
         finally:
@@ -288,6 +300,15 @@ class JournalService(pb_grpc.JournalServicer):
             grpc.StatusCode.UNIMPLEMENTED,
             "the bundled broker is single-node; run Gazette's brokers for replication",
         )
+
+
+async def _send(context, response: pb.ReadResponse) -> bool:
+    """Write a Read's `response`; False if the reader is gone (gRPC could not send it)."""
+    try:
+        await context.write(response)
+    except _WRITE_FAILED:
+        return False
+    return True
 
 
 def _visible(replica: Replica | None, journal: str) -> Replica | None:
