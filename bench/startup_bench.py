@@ -70,15 +70,20 @@ def run_command(app: Path, tmp: Path, *args: str) -> subprocess.Popen:
                             env=env)
 
 
-def _answers(url: str, shard: str) -> bool:
+def _query(url: str, shard: str, timeout: float) -> None:
+    """One wordcount query of `shard`, answered (or an OSError)."""
     request = urllib.request.Request(f"{url}/query/{shard}", data=b'{"word": "the"}',
                                      headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        json.loads(response.read())
+
+
+def _answers(url: str, shard: str) -> bool:
     try:
-        with urllib.request.urlopen(request, timeout=2) as response:
-            json.loads(response.read())
-            return True
+        _query(url, shard, timeout=2)
     except OSError:
         return False
+    return True
 
 
 async def until_serving(app: Path, proc: subprocess.Popen, started: float,
@@ -168,10 +173,7 @@ async def busy_restarts(tmp: Path, broker: BrokerProcess, lines: int, rounds: in
 def _query_time(url: str, shard: str) -> float:
     """Seconds one query of `shard` took to answer (however long)."""
     started = time.monotonic()
-    request = urllib.request.Request(f"{url}/query/{shard}", data=b'{"word": "the"}',
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        json.loads(response.read())
+    _query(url, shard, timeout=60)
     return time.monotonic() - started
 
 

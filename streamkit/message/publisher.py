@@ -145,12 +145,10 @@ class Publisher:
             framed = self._framings[content_type] = (framing, getattr(framing, "frame_dict", None))
         framing, frame_dict = framed
         clock = self._tick()
-        if not is_dict:
-            return journal, framing, self._encode(framing, message, clock, flags)
-        message[UUID_FIELD] = self._uuid_text(clock, flags)
-        if frame_dict is not None:
+        if is_dict and frame_dict is not None:
+            message[UUID_FIELD] = self._uuid_text(clock, flags)
             return journal, framing, frame_dict(message)
-        return journal, framing, self._buffered(framing, message)
+        return journal, framing, self._encode(framing, message, clock, flags)
 
     def _tick(self) -> int:
         """The next Clock value (an owned clock reads wall time at most once a millisecond)."""
@@ -167,9 +165,6 @@ class Publisher:
             message[UUID_FIELD] = self._uuid_text(clock, flags)
         else:
             set_uuid(message, build_uuid(self.producer, clock, flags))
-        return self._buffered(framing, message)
-
-    def _buffered(self, framing: Framing, message: MessageLike) -> bytes:
         buffer = self._buffer
         del buffer[:]  # also drops what a failed encode left behind
         framing.encode(message, buffer)
