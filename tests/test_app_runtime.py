@@ -440,3 +440,70 @@ async def test_a_new_primary_writes_the_acks_its_predecessor_lost(
         await _wait_processed(service, client, journals["inputs"])
         await service.stop()
         assert await _read_counts(client, journals["outputs"]) == _expected(first + second)
+
+
+class Gated(Application):
+    """Counts words into the store as it consumes; `finalize_txn` waits for `gate`."""
+
+    gate: asyncio.Event | None = None
+
+    def consume_message(self, shard: Any, store: Any, envelope: Any, publisher: Any) -> None:
+        for word in envelope.message["line"].split():
+            _put(store, word, _get(store, word) + 1)
+
+    async def finalize_txn(self, shard: Any, store: Any, publisher: Any) -> None:
+        if Gated.gate is not None:
+            await Gated.gate.wait()
+
+    def query(self, shard: Any, store: Any, request: dict[str, Any]) -> Any:
+        return _get(store, request["word"])
+
+
+def _get(store: Any, word: str) -> int:
+    return store.state.get(word, 0) if hasattr(store, "state") else store.get(word, 0)
+
+
+def _put(store: Any, word: str, n: int) -> None:
+    if hasattr(store, "state"):
+        store.state[word] = n
+    else:
+        store.put(word, n)
+
+
+@pytest.mark.parametrize("kind", ["rocksdb", "json"])
+async def test_a_query_during_an_open_transaction(shared_broker: Any, tmp_path: Path,
+                                                  kind: str) -> None:
+    """With a committed view (RocksDB) a query answers from the last durable commit at
+    once, not from the open transaction; without one (JSON) it waits for the commit."""
+    async with BrokerClient(shared_broker.address) as client:
+        base = unique_name("app")
+        journals = await _journals(client, base, 1)
+        specs = _specs(base, journals["inputs"])
+        service = Service(_runtime(Gated, client, tmp_path, journals["outputs"], kind))
+        try:
+            await service.assign(specs, {sid: 0 for sid in specs})
+            replica = service.replicas["shard-000"]
+            await _publish_lines(client, journals["inputs"], ["a"])
+            await _wait_processed(service, client, journals["inputs"])
+            assert await replica.query({"word": "a"}) == 1
+
+            Gated.gate = asyncio.Event()
+            await _publish_lines(client, journals["inputs"], ["a a"])
+            await eventually(lambda: replica.loop is not None
+                             and replica.loop._phase == "finalize_txn")
+            asking = asyncio.ensure_future(replica.query({"word": "a"}))
+            if kind == "rocksdb":
+                assert await asyncio.wait_for(asking, LIVENESS) == 1  # not 3: uncommitted
+            else:
+                await asyncio.sleep(0.3)
+                assert not asking.done()
+            Gated.gate.set()
+            if kind == "json":
+                assert await asyncio.wait_for(asking, LIVENESS) == 3
+            await _wait_processed(service, client, journals["inputs"])
+            assert await replica.query({"word": "a"}) == 3
+        finally:
+            if Gated.gate is not None:
+                Gated.gate.set()
+            Gated.gate = None
+            await service.stop()

@@ -139,6 +139,98 @@ async def test_transactions_reads_and_types(tmp_path: Path) -> None:
     await again.destroy()
 
 
+async def test_a_committed_view_reads_the_last_durable_commit_only(tmp_path: Path) -> None:
+    store = RocksDBStore(tmp_path / "db")
+    await store.restore_checkpoint("shard")
+    store.put("a", 1)
+    store.put("b", 1)
+    await (await store.start_commit("shard", checkpoint_of(1), []))
+    store.put("a", 2)  # a transaction waiting on its appends
+    store.delete("b")
+    appended = OpFuture(asyncio.get_running_loop())
+    op = await store.start_commit("shard", checkpoint_of(2), [appended])
+    store.put("a", 3)  # and the next, open one
+    store.put("c", 3)
+
+    async def viewed() -> tuple[Any, ...]:
+        async with store.committed_view():
+            with pytest.raises(StoreError, match="read-only"):
+                store.put("a", 4)
+            return store.get("a"), store.get("b"), store.get("c"), dict(store.items())
+
+    assert await viewed() == (1, 1, None, {b"a": 1, b"b": 1})
+    # Other tasks (the transaction loop's) keep seeing their transaction meanwhile.
+    go = asyncio.Event()
+
+    async def transaction_side() -> Any:
+        await go.wait()
+        return store.get("a")
+
+    transaction = asyncio.create_task(transaction_side())  # its own context: no view
+    async with store.committed_view():
+        assert store.get("a") == 1
+        go.set()
+        assert await transaction == 3
+    appended.resolve(OpFuture.finished().result())
+    await op
+    assert await viewed() == (2, None, None, {b"a": 2})
+    await store.destroy()
+
+
+async def test_a_commit_and_committed_views_wait_for_each_other(tmp_path: Path) -> None:
+    """A commit writes only once open views closed; a view opens only once the commit
+    writing is durable. So a view never sees a commit half-way."""
+    store = RocksDBStore(tmp_path / "db")
+    await store.restore_checkpoint("shard")
+    store.put("a", 1)
+    await (await store.start_commit("shard", checkpoint_of(1), []))
+    store.put("a", 2)
+    view = store.committed_view()
+    await view.__aenter__()
+    op = await store.start_commit("shard", checkpoint_of(2), [])
+    await asyncio.sleep(0.05)
+    assert not op.done() and store.get("a") == 1  # the commit waits for the view
+    await view.__aexit__(None, None, None)
+    await asyncio.wait_for(op, DEADLINE)
+
+    # A commit whose write is queued on the store's thread: a new view waits for it.
+    store.put("a", 3)
+    gate = asyncio.Event()
+    blocked = asyncio.ensure_future(store._call(_wait_for, gate, asyncio.get_running_loop()))
+    op = await store.start_commit("shard", checkpoint_of(3), [])
+    await asyncio.sleep(0.05)
+    assert store._writing is not None
+    reading = asyncio.ensure_future(_read_in_view(store, "a"))
+    await asyncio.sleep(0.05)
+    assert not reading.done()
+    gate.set()
+    assert await asyncio.wait_for(reading, DEADLINE) == 3  # after the commit, not before
+    await blocked
+    await op
+    await store.destroy()
+
+
+def _wait_for(gate: asyncio.Event, loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.run_coroutine_threadsafe(gate.wait(), loop).result(DEADLINE)
+
+
+async def _read_in_view(store: RocksDBStore, key: str) -> Any:
+    async with store.committed_view():
+        return store.get(key)
+
+
+async def test_a_failed_commit_closes_committed_views(tmp_path: Path) -> None:
+    store = RocksDBStore(tmp_path / "db")
+    await store.restore_checkpoint("shard")
+    op = await store.start_commit("shard", checkpoint_of(1), [OpFuture.finished(OSError("x"))])
+    with pytest.raises(OSError):
+        await op
+    with pytest.raises(StoreError, match="failed a commit"):
+        async with store.committed_view():
+            pass
+    await store.destroy()
+
+
 async def test_destroy_before_the_commit_task_ran_fails_its_op(tmp_path: Path) -> None:
     """A commit cancelled before its first step still resolves its OpFuture (as failed)."""
     store = RocksDBStore(tmp_path / "db")

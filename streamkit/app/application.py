@@ -143,8 +143,10 @@ class Application:
     def query(self, shard: Shard, store: Store, request: dict[str, Any]) -> Any:
         """Answer a read-only query (JSON in, JSON out) from the shard's committed state.
 
-        Runs on the shard's task between transactions, so it sees a consistent
-        state; raise QueryError for requests it can't answer.
+        It sees a consistent state: the last durable commit. Where the store has
+        a committed view (RocksDB) it runs while a transaction is open and its
+        reads skip that transaction's writes; elsewhere it runs between
+        transactions. Raise QueryError for requests it can't answer.
         """
         raise QueryError(f"{type(self).__name__} answers no queries")
 

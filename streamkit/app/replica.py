@@ -185,17 +185,36 @@ class Replica:
     # --- queries ------------------------------------------------------------------
 
     async def query(self, request: dict[str, object]) -> object:
-        """Run the application's query against the store, between transactions."""
+        """Run the application's query against the store's committed state.
+
+        Answers reflect committed state only. A store with a committed view
+        answers from the last durable commit while a transaction is open; any
+        other waits until the open transaction ends and its commit is durable.
+        """
         loop, store = self.loop, self.store
         if self.status.code != Code.PRIMARY or loop is None or store is None:
             raise QueryError(f"shard {self.id} is not serving here")
-        async with loop.lock:
-            await loop.wait_committed()  # answers reflect committed state only
-            with loop.hooks.call("query", asyncio.iscoroutinefunction(self.app.query)):
-                answer = self.app.query(self.shard, store, request)
-                if asyncio.iscoroutine(answer):
-                    answer = await answer
-            return answer
+        view = store.committed_view()
+        if view is None:
+            async with loop.lock:
+                await loop.wait_committed()
+                return await self._answer(loop.hooks, store, request)
+        # Beside the transaction loop's hooks: a record of its own for the watchdog.
+        watchdog = self.runtime.watchdog
+        hooks = watchdog.watch(self.id)
+        try:
+            async with view:
+                return await self._answer(hooks, store, request)
+        finally:
+            watchdog.unwatch(hooks)
+
+    async def _answer(self, hooks: HookRecord, store: Store, request: dict[str, object]
+                      ) -> object:
+        with hooks.call("query", asyncio.iscoroutinefunction(self.app.query)):
+            answer = self.app.query(self.shard, store, request)
+            if asyncio.iscoroutine(answer):
+                answer = await answer
+        return answer
 
     # --- internals ----------------------------------------------------------------
 

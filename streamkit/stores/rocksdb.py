@@ -26,8 +26,9 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -53,6 +54,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# The store whose committed view the current task reads in (`committed_view`), if any.
+_VIEWING: ContextVar[RocksDBStore | None] = ContextVar("streamkit_rocksdb_view", default=None)
 Key = bytes | str
 
 RESERVED_PREFIX = b"\x00streamkit/"
@@ -182,32 +186,38 @@ class RocksDBStore(Store):
         self._failed: BaseException | None = None
         self._waiting_on_dependencies = False
         self._destroyed = False
+        # Committed views: queries reading the database while no commit writes to it.
+        self._viewers = 0
+        self._writing: asyncio.Future[None] | None = None  # a commit's write, until durable
+        self._viewers_gone: asyncio.Future[None] | None = None
 
     # --- the application's side --------------------------------------------
 
     def get(self, key: Key, default: Any = None) -> Any:
-        """The value of `key` as this transaction sees it (its own writes included)."""
+        """The value of `key` as this transaction sees it (its own writes included), or
+        in a committed view as the last durable commit left it."""
         raw = _key(key)
-        for overlay in (self._pending, self._committing):
-            if raw in overlay:
-                value = overlay[raw]
-                return default if value is None else _decode(value)
+        if _VIEWING.get() is not self:
+            for overlay in (self._pending, self._committing):
+                if raw in overlay:
+                    value = overlay[raw]
+                    return default if value is None else _decode(value)
         stored = self._open_db().get(raw)
         return default if stored is None else _decode(stored)
 
     def put(self, key: Key, value: Any) -> None:
         """Set `key` to `value` (bytes, or anything JSON-serializable) in this transaction."""
-        self._check_usable()
+        self._check_writable()
         self._pending[_key(key)] = _encode(value)
 
     def delete(self, key: Key) -> None:
-        self._check_usable()
+        self._check_writable()
         self._pending[_key(key)] = None
 
     @contextlib.contextmanager
     def write_batch(self) -> Iterator[WriteBatch]:
         """A group of mutations that joins the transaction only if the block completes."""
-        self._check_usable()
+        self._check_writable()
         batch = WriteBatch()
         yield batch
         self._pending.update(batch.mutations)
@@ -215,7 +225,7 @@ class RocksDBStore(Store):
     def items(self, prefix: Key = b"") -> Iterator[tuple[bytes, Any]]:
         """(key, value) pairs under `prefix` in key order, as this transaction sees them."""
         start = prefix.encode() if isinstance(prefix, str) else bytes(prefix)
-        overlay = {**self._committing, **self._pending}
+        overlay = {} if _VIEWING.get() is self else {**self._committing, **self._pending}
         changed = sorted(k for k in overlay if k.startswith(start))
         stored = self._stored_items(start)
         nxt = next(stored, None)
@@ -232,6 +242,28 @@ class RocksDBStore(Store):
             nxt = next(stored, None)
 
     # --- Store --------------------------------------------------------------
+
+    def committed_view(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """Within it, this task's reads skip the open and the committing transactions'
+        writes: the database then holds exactly the last durable commit, since a view
+        waits for a commit that is writing and a commit waits for the views open."""
+        return self._viewing()
+
+    @contextlib.asynccontextmanager
+    async def _viewing(self) -> AsyncIterator[None]:
+        while self._writing is not None:
+            await asyncio.wait((self._writing,))
+        self._open_db()  # raises if a commit failed: what it wrote may not be durable
+        self._viewers += 1
+        token = _VIEWING.set(self)
+        try:
+            yield
+        finally:
+            _VIEWING.reset(token)
+            self._viewers -= 1
+            gone = self._viewers_gone
+            if not self._viewers and gone is not None and not gone.done():
+                gone.set_result(None)
 
     async def restore_checkpoint(self, shard_id: str) -> consumer_pb.Checkpoint:
         """Open the database (rebuilt by playback) and read the checkpoint committed last.
@@ -312,6 +344,11 @@ class RocksDBStore(Store):
         for entry in self.path.iterdir():
             if entry.is_file() and entry.name != "rocksdict-config.json":
                 entry.unlink()
+
+    def _check_writable(self) -> None:
+        self._check_usable()
+        if _VIEWING.get() is self:
+            raise StoreError("a committed view is read-only (queries can't write)")
 
     def _check_usable(self) -> None:
         if self._destroyed:
@@ -397,6 +434,24 @@ class RocksDBStore(Store):
             await asyncio.sleep(min(0.001 * attempt, 0.05))  # let the background work settle
         raise StoreError(f"{self.path}: MANIFEST kept changing over {_MAX_PASSES} passes")
 
+    async def _write_durably(self, checkpoint: bytes) -> pb.AppendResponse:
+        """Write the committing transaction and record it, with committed views kept out
+        (new ones wait; open ones finish first) until it is durable."""
+        writing = self._writing = asyncio.get_running_loop().create_future()
+        try:
+            while self._viewers:
+                self._viewers_gone = asyncio.get_running_loop().create_future()
+                await self._viewers_gone
+            first = await self._call(self._write_and_scan, self._committing, checkpoint)
+            self._committing = {}
+            if self.observer is None:
+                return pb.AppendResponse(status=pb.OK)
+            await self._record(first)
+            return await self.observer.recorder.barrier()
+        finally:
+            self._writing = None
+            writing.set_result(None)
+
     async def _commit(self, op: OpFuture, checkpoint: bytes, wait_for: list[OpFuture]
                       ) -> None:
         """Wait for the dependencies, write, record; resolve `op` once the log has it all."""
@@ -406,13 +461,7 @@ class RocksDBStore(Store):
                 if (error := dependency.exception()) is not None:
                     raise error
             self._waiting_on_dependencies = False
-            first = await self._call(self._write_and_scan, self._committing, checkpoint)
-            self._committing = {}
-            if self.observer is None:
-                response = pb.AppendResponse(status=pb.OK)
-            else:
-                await self._record(first)
-                response = await self.observer.recorder.barrier()
+            response = await self._write_durably(checkpoint)
         except BaseException as error:
             self._waiting_on_dependencies = False
             # The state the next transaction builds on is lost or unrecorded: the store is done.

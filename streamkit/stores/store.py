@@ -23,6 +23,7 @@ How the consumer runtime drives a store, which implementations may rely on:
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -92,6 +93,13 @@ class Store(ABC):
         Stores with an external database also advance the write fence here,
         which fences off every older instance of the shard.
         """
+
+    def committed_view(self) -> contextlib.AbstractAsyncContextManager[None] | None:
+        """A context in which the current task reads the state of the last durable commit,
+        without the open (or a committing) transaction's writes; None where the store
+        can't keep them apart. Queries read in one, so they need not wait for the open
+        transaction to end; without one they wait for it and its commit."""
+        return None
 
     @abstractmethod
     async def destroy(self) -> None:
