@@ -446,6 +446,7 @@ class Gated(Application):
     """Counts words into the store as it consumes; `finalize_txn` waits for `gate`."""
 
     gate: asyncio.Event | None = None
+    concurrent_queries = True
 
     def consume_message(self, shard: Any, store: Any, envelope: Any, publisher: Any) -> None:
         for word in envelope.message["line"].split():

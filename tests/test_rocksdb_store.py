@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from streamkit.client import BrokerClient, OpFuture, RegisterMismatch
-from streamkit.protocol import consumer_pb
+from streamkit.protocol import consumer_pb, pb
 from streamkit.recoverylog import CONTENT_TYPE, FSM, Recorder, rpb
 from streamkit.recoverylog.recovery import recover
 from streamkit.stores.dir_observer import DirObserver
@@ -207,6 +207,53 @@ async def test_a_commit_and_committed_views_wait_for_each_other(tmp_path: Path) 
     assert await asyncio.wait_for(reading, DEADLINE) == 3  # after the commit, not before
     await blocked
     await op
+    await store.destroy()
+
+
+class _SlowLog:
+    """Stands in for a store's observer and recorder: the barrier waits for `durable`."""
+
+    def __init__(self) -> None:
+        self.durable = asyncio.Event()
+        self.recorder = self
+
+    def scan(self) -> object:
+        return object()
+
+    def record(self, observation: object) -> bool:
+        return True
+
+    async def barrier(self) -> pb.AppendResponse:
+        await self.durable.wait()
+        return pb.AppendResponse(status=pb.OK)
+
+
+async def test_a_committed_view_waits_until_a_written_commit_is_durable(tmp_path: Path) -> None:
+    """Written but not yet in the recovery log is not committed: a view waits for it,
+    and a view cancelled while waiting leaves nothing behind."""
+    store = RocksDBStore(tmp_path / "db")
+    await store.restore_checkpoint("shard")
+    store.put("a", 1)
+    await (await store.start_commit("shard", checkpoint_of(1), []))
+    log = store.observer = _SlowLog()  # type: ignore[assignment]
+    store.put("a", 2)
+    op = await store.start_commit("shard", checkpoint_of(2), [])
+    while store._committing:  # until written (the barrier is what's left)
+        await asyncio.sleep(0.01)
+    cancelled = asyncio.ensure_future(_read_in_view(store, "a"))
+    reading = asyncio.ensure_future(_read_in_view(store, "a"))
+    await asyncio.sleep(0.05)
+    assert not reading.done()
+    cancelled.cancel()
+    log.durable.set()
+    assert await asyncio.wait_for(reading, DEADLINE) == 2
+    await op
+    store.observer = None
+    store.put("a", 3)
+    await asyncio.wait_for(await store.start_commit("shard", checkpoint_of(3), []), DEADLINE)
+    assert store._viewers == 0
+    async with store.committed_view(), store.committed_view():  # nested: no deadlock
+        assert store.get("a") == 3
     await store.destroy()
 
 

@@ -25,6 +25,8 @@ import streamkit
 
 
 class WordCount(streamkit.Application):
+    concurrent_queries = True  # queries read only the store: no need to wait for a transaction
+
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()  # this transaction's words
 

@@ -140,13 +140,20 @@ class Application:
     def finished_txn(self, shard: Shard, store: Store, commit: OpFuture) -> Any:
         """Called when the transaction's commit started; `commit` resolves when it is durable."""
 
+    # True: `query` may run while a transaction is open, reading the store's committed
+    # view where it has one (RocksDB), so it need not wait for the transaction to end.
+    # It must then read only the store (not attributes a transaction changes), and
+    # can't write. False (the default): queries run between transactions.
+    concurrent_queries = False
+
     def query(self, shard: Shard, store: Store, request: dict[str, Any]) -> Any:
         """Answer a read-only query (JSON in, JSON out) from the shard's committed state.
 
-        It sees a consistent state: the last durable commit. Where the store has
-        a committed view (RocksDB) it runs while a transaction is open and its
-        reads skip that transaction's writes; elsewhere it runs between
-        transactions. Raise QueryError for requests it can't answer.
+        It sees a consistent state: the last durable commit. It runs between
+        transactions, or, with `concurrent_queries` and a store that has a
+        committed view (RocksDB), while a transaction is open, its reads
+        skipping that transaction's writes. Raise QueryError for requests it
+        can't answer.
         """
         raise QueryError(f"{type(self).__name__} answers no queries")
 

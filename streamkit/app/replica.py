@@ -188,13 +188,14 @@ class Replica:
         """Run the application's query against the store's committed state.
 
         Answers reflect committed state only. A store with a committed view
-        answers from the last durable commit while a transaction is open; any
-        other waits until the open transaction ends and its commit is durable.
+        answers from the last durable commit while a transaction is open (for
+        apps with `concurrent_queries`); otherwise a query waits until the open
+        transaction ends and its commit is durable.
         """
         loop, store = self.loop, self.store
         if self.status.code != Code.PRIMARY or loop is None or store is None:
             raise QueryError(f"shard {self.id} is not serving here")
-        view = store.committed_view()
+        view = store.committed_view() if self.app.concurrent_queries else None
         if view is None:
             async with loop.lock:
                 await loop.wait_committed()

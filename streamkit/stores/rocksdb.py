@@ -251,6 +251,9 @@ class RocksDBStore(Store):
 
     @contextlib.asynccontextmanager
     async def _viewing(self) -> AsyncIterator[None]:
+        if _VIEWING.get() is self:  # nested in this task's view: already counted
+            yield
+            return
         while self._writing is not None:
             await asyncio.wait((self._writing,))
         self._open_db()  # raises if a commit failed: what it wrote may not be durable
@@ -259,11 +262,12 @@ class RocksDBStore(Store):
         try:
             yield
         finally:
-            _VIEWING.reset(token)
-            self._viewers -= 1
+            self._viewers -= 1  # first: a commit must never wait for a view that ended
             gone = self._viewers_gone
             if not self._viewers and gone is not None and not gone.done():
                 gone.set_result(None)
+            with contextlib.suppress(ValueError):  # exited in another context
+                _VIEWING.reset(token)
 
     async def restore_checkpoint(self, shard_id: str) -> consumer_pb.Checkpoint:
         """Open the database (rebuilt by playback) and read the checkpoint committed last.
