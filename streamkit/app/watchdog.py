@@ -162,7 +162,9 @@ class Watchdog:
         with self._lock:
             self._records.pop(id(record), None)
             self._seen.pop(id(record), None)
-        self._wake.set()
+            last = not self._records
+        if last:  # the thread ends now rather than at its next look (queries come and go)
+            self._wake.set()
 
     def arm_exit(self, on_stuck: Callable[[list[Stuck]], None], grace: float,
                  async_grace: float) -> None:
@@ -197,6 +199,9 @@ class Watchdog:
                 self._look(records, time.monotonic())
             except Exception:  # the watchdog must outlive any surprise in what it looks at
                 log.exception("the hook watchdog failed to look at the shards")
+            with self._lock:  # records unwatched while it looked left no entry behind
+                for gone in self._seen.keys() - self._records.keys():
+                    del self._seen[gone]
             self._wake.wait(self._interval())
             self._wake.clear()
 

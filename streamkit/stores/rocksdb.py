@@ -243,14 +243,11 @@ class RocksDBStore(Store):
 
     # --- Store --------------------------------------------------------------
 
-    def committed_view(self) -> contextlib.AbstractAsyncContextManager[None]:
+    @contextlib.asynccontextmanager
+    async def committed_view(self) -> AsyncIterator[None]:  # type: ignore[override]
         """Within it, this task's reads skip the open and the committing transactions'
         writes: the database then holds exactly the last durable commit, since a view
         waits for a commit that is writing and a commit waits for the views open."""
-        return self._viewing()
-
-    @contextlib.asynccontextmanager
-    async def _viewing(self) -> AsyncIterator[None]:
         if _VIEWING.get() is self:  # nested in this task's view: already counted
             yield
             return
