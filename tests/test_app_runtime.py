@@ -508,3 +508,46 @@ async def test_a_query_during_an_open_transaction(shared_broker: Any, tmp_path: 
                 Gated.gate.set()
             Gated.gate = None
             await service.stop()
+
+
+class SlowQuery(Gated):
+    """Gated, with a query that waits for `query_gate`."""
+
+    query_gate: asyncio.Event | None = None
+
+    async def query(self, shard: Any, store: Any, request: dict[str, Any]) -> Any:
+        assert SlowQuery.query_gate is not None
+        await SlowQuery.query_gate.wait()
+        return _get(store, request["word"])
+
+
+async def test_a_replica_names_the_hook_it_runs(shared_broker: Any, tmp_path: Path) -> None:
+    """What a timed-out query's 503 names: a query running in a committed view (beside
+    the transaction), else the transaction loop's hook."""
+    async with BrokerClient(shared_broker.address) as client:
+        base = unique_name("app")
+        journals = await _journals(client, base, 1)
+        specs = _specs(base, journals["inputs"])
+        service = Service(_runtime(SlowQuery, client, tmp_path, journals["outputs"], "rocksdb"))
+        Gated.gate, SlowQuery.query_gate = asyncio.Event(), asyncio.Event()
+        try:
+            await service.assign(specs, {sid: 0 for sid in specs})
+            replica = service.replicas["shard-000"]
+            await _publish_lines(client, journals["inputs"], ["a"])
+            await eventually(lambda: replica.loop is not None
+                             and replica.loop._phase == "finalize_txn")
+            assert replica.running_hook() == "finalize_txn"
+            asking = asyncio.ensure_future(replica.query({"word": "a"}))
+            await eventually(lambda: replica.running_hook() == "query")
+            SlowQuery.query_gate.set()
+            assert await asyncio.wait_for(asking, LIVENESS) == 0  # the open txn's 1 unseen
+            assert replica.running_hook() == "finalize_txn"
+            Gated.gate.set()
+            await _wait_processed(service, client, journals["inputs"])
+            assert replica.running_hook() is None
+        finally:
+            for gate in (Gated.gate, SlowQuery.query_gate):
+                if gate is not None:
+                    gate.set()
+            Gated.gate = SlowQuery.query_gate = None
+            await service.stop()

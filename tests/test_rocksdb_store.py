@@ -278,6 +278,46 @@ async def test_a_failed_commit_closes_committed_views(tmp_path: Path) -> None:
     await store.destroy()
 
 
+async def test_destroy_waits_for_open_committed_views(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A query reading in a view when its shard is released reads on until it ends (up
+    to VIEW_DRAIN_TIMEOUT); new views are refused; one left past the timeout gets an
+    error naming the destroyed store, not a closed database."""
+    store = RocksDBStore(tmp_path / "db")
+    await store.restore_checkpoint("shard")
+    store.put("a", 1)
+    await (await store.start_commit("shard", checkpoint_of(1), []))
+    go, read = asyncio.Event(), []
+
+    async def query() -> None:
+        async with store.committed_view():
+            await go.wait()
+            read.append(store.get("a"))
+
+    querying = asyncio.ensure_future(query())
+    await asyncio.sleep(0.01)
+    destroying = asyncio.ensure_future(store.destroy())
+    await asyncio.sleep(0.05)
+    assert not destroying.done()
+    with pytest.raises(StoreError, match="destroyed"):
+        await _read_in_view(store, "a")
+    go.set()
+    await asyncio.wait_for(destroying, DEADLINE)
+    await querying
+    assert read == [1]
+
+    monkeypatch.setattr("streamkit.stores.rocksdb.VIEW_DRAIN_TIMEOUT", 0.05)
+    store = RocksDBStore(tmp_path / "db")
+    await store.restore_checkpoint("shard")
+    go.clear()
+    querying = asyncio.ensure_future(query())
+    await asyncio.sleep(0.01)
+    await asyncio.wait_for(store.destroy(), DEADLINE)
+    go.set()
+    with pytest.raises(StoreError, match="destroyed"):
+        await querying
+
+
 async def test_destroy_before_the_commit_task_ran_fails_its_op(tmp_path: Path) -> None:
     """A commit cancelled before its first step still resolves its OpFuture (as failed)."""
     store = RocksDBStore(tmp_path / "db")

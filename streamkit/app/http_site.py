@@ -151,11 +151,8 @@ async def _answer(replica: Replica, body: dict[str, Any]) -> tuple[int, str]:
 
 def _stuck_in(replica: Replica) -> str:
     """What a 503 adds when the shard is running a hook right now (likely the stuck one)."""
-    loop = replica.loop
-    if loop is None or loop.hooks.current is None:
-        return ""
-    hook, _, _, _ = loop.hooks.describe(loop.hooks.current)
-    return f" (it is running {hook}: see the member's log for where)"
+    hook = replica.running_hook()
+    return "" if hook is None else f" (it is running {hook}: see the member's log for where)"
 
 
 async def start_site(

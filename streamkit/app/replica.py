@@ -110,6 +110,7 @@ class Replica:
         self._playback: Playback | None = None
         self._fs: RecordedFS | None = None
         self._hooks: HookRecord | None = None  # watched while primary
+        self._queries: set[HookRecord] = set()  # of queries in committed views, running now
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
 
@@ -203,11 +204,23 @@ class Replica:
         # Beside the transaction loop's hooks: a record of its own for the watchdog.
         watchdog = self.runtime.watchdog
         hooks = watchdog.watch(self.id)
+        self._queries.add(hooks)
         try:
             async with view:
                 return await self._answer(hooks, store, request)
         finally:
+            self._queries.discard(hooks)
             watchdog.unwatch(hooks)
+
+    def running_hook(self) -> str | None:
+        """The hook this shard runs right now, if any: a query's in a committed view
+        first (one beside the transaction that outlasts its timeout is the likely stuck
+        one), else the transaction loop's (which also runs the queries that wait for it)."""
+        records = [*self._queries, *([self.loop.hooks] if self.loop is not None else [])]
+        for record in records:
+            if record.current is not None:
+                return record.describe(record.current)[0]
+        return None
 
     async def _answer(self, hooks: HookRecord, store: Store, request: dict[str, object]
                       ) -> object:

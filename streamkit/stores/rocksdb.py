@@ -64,6 +64,7 @@ CHECKPOINT_KEY = RESERVED_PREFIX + b"checkpoint"
 
 _BYTES, _JSON = b"b", b"j"  # value tags
 MAX_MANIFEST_SIZE = 128 << 10  # small MANIFESTs roll often, so recovery reads little of them
+VIEW_DRAIN_TIMEOUT = 10.0  # seconds destroy waits for open committed views (queries)
 _MAX_PASSES = 200  # observation passes before a commit gives up on a still directory
 # Memtable sizes a store picks for itself (see `memtable_for`); the largest is RocksDB's default.
 MIN_MEMTABLE, MAX_MEMTABLE = 256 << 10, 64 << 20
@@ -322,6 +323,7 @@ class RocksDBStore(Store):
         op = self._commit_op
         if op is not None and not op.done():  # cancelled before its body ever ran
             op.fail(StoreError(f"store at {self.path} destroyed before the commit started"))
+        await self._views_ended()
         try:
             if self._db is not None:
                 await self._call(self._db.close)
@@ -358,9 +360,11 @@ class RocksDBStore(Store):
             raise StoreError(f"store at {self.path} failed a commit: {self._failed!r}")
 
     def _open_db(self) -> rocksdict.Rdict:
-        self._check_usable()
+        if _VIEWING.get() is not self:  # an open view reads on: nothing writes under it
+            self._check_usable()
         if self._db is None:
-            raise StoreError("the store is not open: call restore_checkpoint first")
+            raise StoreError(f"store at {self.path} was destroyed" if self._destroyed
+                             else "the store is not open: call restore_checkpoint first")
         return self._db
 
     def _stored_items(self, start: bytes) -> Iterator[tuple[bytes, bytes]]:
@@ -434,6 +438,18 @@ class RocksDBStore(Store):
             first = None
             await asyncio.sleep(min(0.001 * attempt, 0.05))  # let the background work settle
         raise StoreError(f"{self.path}: MANIFEST kept changing over {_MAX_PASSES} passes")
+
+    async def _views_ended(self) -> None:
+        """Until the open committed views end (queries, each bounded by the member's
+        query timeout), or VIEW_DRAIN_TIMEOUT; new ones are refused already."""
+        if not self._viewers:
+            return
+        self._viewers_gone = gone = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(gone, VIEW_DRAIN_TIMEOUT)
+        except TimeoutError:
+            log.warning("store at %s: closed with %d committed views still open",
+                        self.path, self._viewers)
 
     async def _write_durably(self, checkpoint: bytes) -> pb.AppendResponse:
         """Write the committing transaction and record it, with committed views kept out
