@@ -29,6 +29,7 @@ from bench.rocksdb_store_bench import checkpoint_of  # noqa: E402
 from streamkit.client import BrokerClient  # noqa: E402
 from streamkit.recoverylog.recovery import recover  # noqa: E402
 from streamkit.stores import JSONFileStore, SQLiteStore  # noqa: E402
+from streamkit.stores.sqlite import JournalMode  # noqa: E402
 
 
 def json_unrecorded(directory: Path, commits: int) -> float:
@@ -75,8 +76,9 @@ async def json_recorded(client: BrokerClient, log: str, directory: Path, commits
     return rate
 
 
-async def sqlite_recorded(client: BrokerClient, log: str, directory: Path, commits: int) -> float:
-    store = SQLiteStore(await recover(client, log, directory))
+async def sqlite_recorded(client: BrokerClient, log: str, directory: Path, commits: int,
+                          journal_mode: JournalMode = "DELETE") -> float:
+    store = SQLiteStore(await recover(client, log, directory), journal_mode=journal_mode)
     await store.restore_checkpoint("bench")
     store.db.execute("CREATE TABLE kv(k TEXT PRIMARY KEY, v INTEGER)")
     started = time.perf_counter()
@@ -84,9 +86,18 @@ async def sqlite_recorded(client: BrokerClient, log: str, directory: Path, commi
         store.db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (f"k{n % 100}", n))
         await (await store.start_commit("bench", checkpoint_of(n), ()))
     rate = commits / (time.perf_counter() - started)
+    log_bytes[f"sqlite_{journal_mode.lower()}"] = store.fs.recorder.write_head
     await store.destroy()
     await store.fs.recorder.close()
     return rate
+
+
+async def sqlite_wal_recorded(client: BrokerClient, log: str, directory: Path, commits: int
+                              ) -> float:
+    return await sqlite_recorded(client, log, directory, commits, "WAL")
+
+
+log_bytes: dict[str, int] = {}  # recovery-log bytes a recorded run wrote
 
 
 async def run(address: str, commits: int, tmp: Path) -> dict[str, float]:
@@ -95,6 +106,7 @@ async def run(address: str, commits: int, tmp: Path) -> dict[str, float]:
         for name, recorded, unrecorded in (
             ("json", json_recorded, json_unrecorded),
             ("sqlite", sqlite_recorded, sqlite_unrecorded),
+            ("sqlite_wal", sqlite_wal_recorded, sqlite_unrecorded),
         ):
             plain = tmp / f"{name}-plain"
             plain.mkdir()
@@ -105,6 +117,8 @@ async def run(address: str, commits: int, tmp: Path) -> dict[str, float]:
             results[f"{name}_commits_s_recorded"] = rate
             base = results[f"{name}_commits_s_unrecorded"]
             results[f"{name}_overhead_pct"] = 100 * (1 - rate / base)
+    results |= {f"{name}_log_kib_per_commit": n / 1024 / commits
+                for name, n in log_bytes.items()}
     return results
 
 

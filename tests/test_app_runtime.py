@@ -461,26 +461,44 @@ class Gated(Application):
 
 
 def _get(store: Any, word: str) -> int:
+    if hasattr(store, "db"):  # SQLite
+        _counts_table(store.db)
+        row = store.db.execute("SELECT n FROM counts WHERE word = ?", (word,)).fetchone()
+        return row[0] if row else 0
     return store.state.get(word, 0) if hasattr(store, "state") else store.get(word, 0)
 
 
 def _put(store: Any, word: str, n: int) -> None:
-    if hasattr(store, "state"):
+    if hasattr(store, "db"):
+        store.db.execute("INSERT OR REPLACE INTO counts VALUES (?, ?)", (word, n))
+    elif hasattr(store, "state"):
         store.state[word] = n
     else:
         store.put(word, n)
 
 
-@pytest.mark.parametrize("kind", ["rocksdb", "json"])
+def _counts_table(db: Any) -> None:
+    if not db.execute("SELECT 1 FROM sqlite_master WHERE name = 'counts'").fetchone():
+        db.execute("CREATE TABLE counts(word TEXT PRIMARY KEY, n INTEGER)")
+
+
+class GatedBetween(Gated):
+    """Gated, with queries between transactions (the default)."""
+
+    concurrent_queries = False
+
+
+@pytest.mark.parametrize(("kind", "app"), [("rocksdb", Gated), ("json", Gated), ("sqlite", Gated),
+                                           ("rocksdb", GatedBetween)])
 async def test_a_query_during_an_open_transaction(shared_broker: Any, tmp_path: Path,
-                                                  kind: str) -> None:
-    """With a committed view (RocksDB) a query answers from the last durable commit at
-    once, not from the open transaction; without one (JSON) it waits for the commit."""
+                                                  kind: str, app: type[Gated]) -> None:
+    """With `concurrent_queries`, a query answers from the last durable commit at once,
+    not from the open transaction; without, it waits for the transaction's commit."""
     async with BrokerClient(shared_broker.address) as client:
         base = unique_name("app")
         journals = await _journals(client, base, 1)
         specs = _specs(base, journals["inputs"])
-        service = Service(_runtime(Gated, client, tmp_path, journals["outputs"], kind))
+        service = Service(_runtime(app, client, tmp_path, journals["outputs"], kind))
         try:
             await service.assign(specs, {sid: 0 for sid in specs})
             replica = service.replicas["shard-000"]
@@ -493,13 +511,13 @@ async def test_a_query_during_an_open_transaction(shared_broker: Any, tmp_path: 
             await eventually(lambda: replica.loop is not None
                              and replica.loop._phase == "finalize_txn")
             asking = asyncio.ensure_future(replica.query({"word": "a"}))
-            if kind == "rocksdb":
+            if app.concurrent_queries:
                 assert await asyncio.wait_for(asking, LIVENESS) == 1  # not 3: uncommitted
             else:
                 await asyncio.sleep(0.3)
                 assert not asking.done()
             Gated.gate.set()
-            if kind == "json":
+            if not app.concurrent_queries:
                 assert await asyncio.wait_for(asking, LIVENESS) == 3
             await _wait_processed(service, client, journals["inputs"])
             assert await replica.query({"word": "a"}) == 3

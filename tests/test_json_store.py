@@ -23,6 +23,7 @@ from streamkit.protocol import consumer_pb
 from streamkit.recoverylog import CONTENT_TYPE, FSM, RecordedFS, Recorder, rpb
 from streamkit.recoverylog.recovery import recover
 from streamkit.stores.json_file import JSONFileStore
+from streamkit.stores.store import StoreError
 from tests.brokerproc import BrokerProcess
 from tests.helpers_client import create_journal, unique_name
 
@@ -181,6 +182,53 @@ async def test_failed_dependency_writes_nothing(
         assert txn_of(await recovered.restore_checkpoint(SHARD)) == 1
         assert recovered.state == {"a": 1}
         await recovered.fs.recorder.close()
+
+
+@pytest.mark.parametrize("kind", ["dict", "model"])
+async def test_a_committed_view_reads_the_last_durable_commit(
+        shared_broker: BrokerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        kind: str) -> None:
+    """In a view, `state` is the last commit that reached the log: not the open
+    transaction's, nor one written but not yet durable. Other tasks keep theirs."""
+    def items(state: dict | Counts) -> dict:
+        return state.items if isinstance(state, Counts) else state
+
+    async with BrokerClient(shared_broker.address) as client:
+        fs = await recover(client, await new_log(client), tmp_path / "primary")
+        store = JSONFileStore(fs, Counts() if kind == "model" else {})
+        await store.restore_checkpoint(SHARD)
+
+        async def viewed() -> dict:
+            async with store.committed_view():  # type: ignore[union-attr]
+                with pytest.raises(StoreError, match="read-only"):
+                    store.state = {}
+                return dict(items(store.state))
+
+        mutate(store, 1)
+        assert await viewed() == {}  # never committed: the initial state
+        await (await store.start_commit(SHARD, checkpoint_of(1), []))
+        mutate(store, 2)  # the open transaction
+        go = asyncio.Event()
+
+        async def transaction_side() -> dict:
+            await go.wait()
+            return dict(items(store.state))
+
+        transaction = asyncio.ensure_future(transaction_side())
+        async with store.committed_view():  # type: ignore[union-attr]
+            assert items(store.state) == expected_items(1)
+            go.set()
+            assert await transaction == expected_items(2)
+
+        barrier, durable = fs.fsync, OpFuture()
+        monkeypatch.setattr(fs, "fsync", lambda: durable)
+        op = await store.start_commit(SHARD, checkpoint_of(2), [])  # written, not durable
+        assert await viewed() == expected_items(1)
+        durable.resolve(await barrier())
+        await op
+        assert await viewed() == expected_items(2)
+        await store.destroy()
+        await fs.recorder.close()
 
 
 async def test_restore_without_a_state_file_resets_to_the_initial_state(tmp_path: Path) -> None:

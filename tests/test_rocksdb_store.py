@@ -251,7 +251,7 @@ async def test_a_committed_view_waits_until_a_written_commit_is_durable(tmp_path
     store.observer = None
     store.put("a", 3)
     await asyncio.wait_for(await store.start_commit("shard", checkpoint_of(3), []), DEADLINE)
-    assert store._viewers == 0
+    assert store._views.count == 0
     async with store.committed_view(), store.committed_view():  # nested: no deadlock
         assert store.get("a") == 3
     await store.destroy()
@@ -306,7 +306,7 @@ async def test_destroy_waits_for_open_committed_views(
     await querying
     assert read == [1]
 
-    monkeypatch.setattr("streamkit.stores.rocksdb.VIEW_DRAIN_TIMEOUT", 0.05)
+    monkeypatch.setattr("streamkit.stores.store.VIEW_DRAIN_TIMEOUT", 0.05)
     store = RocksDBStore(tmp_path / "db")
     await store.restore_checkpoint("shard")
     go.clear()

@@ -101,7 +101,7 @@ async def test_random_workload_recovers_exactly(
             apply_txn(store.db, txn)
             await (await store.start_commit(SHARD, checkpoint_of(txn), []))
         hints = await fs.recorder.build_hints()
-        await store.destroy()  # WAL: checkpoints the WAL into the database, recorded
+        await store.destroy()  # writes nothing (WAL: no checkpoint at close)
         await fs.fsync()
         primary_bytes = (tmp_path / "primary" / "db.sqlite").read_bytes()
 
@@ -114,7 +114,7 @@ async def test_random_workload_recovers_exactly(
         await store.destroy()
         await fs.recorder.close()
 
-        # Hints taken before the close (WAL: before the checkpoint) recover the same content.
+        # Hints taken before the close recover the same content.
         fs = await recover(client, log, tmp_path / "hinted", hints)
         store = SQLiteStore(fs, journal_mode=mode)
         assert txn_of(await store.restore_checkpoint(SHARD)) == 50
@@ -128,7 +128,7 @@ async def test_truncated_database_recovers(shared_broker: BrokerProcess, tmp_pat
     async with BrokerClient(shared_broker.address) as client:
         log = await new_log(client)
         fs = await recover(client, log, tmp_path / "primary")
-        store = SQLiteStore(fs)
+        store = SQLiteStore(fs, journal_mode="DELETE")  # WAL would truncate at a checkpoint
         await store.restore_checkpoint(SHARD)
         for txn in range(1, 11):
             apply_txn(store.db, txn)
@@ -147,7 +147,7 @@ async def test_truncated_database_recovers(shared_broker: BrokerProcess, tmp_pat
 
         fs = await recover(client, log, tmp_path / "standby")
         assert (tmp_path / "standby" / "db.sqlite").read_bytes() == primary_bytes
-        recovered = SQLiteStore(fs)
+        recovered = SQLiteStore(fs, journal_mode="DELETE")
         assert txn_of(await recovered.restore_checkpoint(SHARD)) == 11
         expected = {k: v for k, v in expected_rows(10).items() if k % 2}
         assert rows_of(recovered.db) == expected
@@ -246,3 +246,85 @@ if __name__ == "__main__":
     address, log, directory, mode = sys.argv[1:]
     assert mode in MODES
     asyncio.run(_writer(address, log, directory, cast(JournalMode, mode)))
+
+
+async def _rows_in_view(store: SQLiteStore, seen: list[bool] | None = None,
+                        durable: OpFuture | None = None) -> dict[int, bytes]:
+    async with store.committed_view():  # type: ignore[union-attr]
+        if seen is not None and durable is not None:
+            seen.append(durable.done())
+        return rows_of(store.db)
+
+
+async def test_a_committed_view_reads_the_last_durable_commit(
+        shared_broker: BrokerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """WAL mode: a view reads the last commit in the log through a read-only connection
+    of its own, while the transaction loop writes on; a commit on its way to the log
+    isn't committed yet, so a view waits for it. DELETE mode has no views."""
+    async with BrokerClient(shared_broker.address) as client:
+        log = await new_log(client)
+        deleting = SQLiteStore(await recover(client, log, tmp_path / "d"), journal_mode="DELETE")
+        assert deleting.committed_view() is None
+        store = SQLiteStore(await recover(client, log, tmp_path / "wal"))
+        await store.restore_checkpoint(SHARD)
+        apply_txn(store.db, 1)
+        await (await store.start_commit(SHARD, checkpoint_of(1), []))
+        apply_txn(store.db, 2)  # the open transaction
+        assert await _rows_in_view(store) == expected_rows(1)
+        go = asyncio.Event()
+        outside = asyncio.ensure_future(_rows_outside(store, go))  # begun outside the view
+        view = store.committed_view()
+        assert view is not None
+        async with view:
+            with pytest.raises(apsw.ReadOnlyError):
+                store.db.execute("DELETE FROM kv")
+            # Another task (the transaction loop's) keeps its transaction meanwhile.
+            go.set()
+            assert await outside == expected_rows(2)
+            assert await _rows_in_view(store) == expected_rows(1)  # nested
+            assert await asyncio.ensure_future(_rows_in_view(store)) == expected_rows(1)
+
+        barrier, durable = store.fs.fsync, OpFuture()
+        monkeypatch.setattr(store.fs, "fsync", lambda: durable)
+        op = await store.start_commit(SHARD, checkpoint_of(2), [])  # committed locally
+        seen: list[bool] = []
+        reading = asyncio.ensure_future(_rows_in_view(store, seen, op))
+        await asyncio.sleep(0.05)
+        assert not reading.done()
+        durable.resolve(await barrier())
+        assert await asyncio.wait_for(reading, DEADLINE) == expected_rows(2)
+        assert seen == [True]
+        await store.destroy()
+        await store.fs.recorder.close()
+
+
+async def _rows_outside(store: SQLiteStore, go: asyncio.Event) -> dict[int, bytes]:
+    await go.wait()
+    return dict(store.db.execute("SELECT k, v FROM kv").fetchall())
+
+
+async def test_destroy_waits_for_an_open_sqlite_view(
+        shared_broker: BrokerProcess, tmp_path: Path) -> None:
+    async with BrokerClient(shared_broker.address) as client:
+        store = SQLiteStore(await recover(client, await new_log(client), tmp_path / "wal"))
+        await store.restore_checkpoint(SHARD)
+        apply_txn(store.db, 1)
+        await (await store.start_commit(SHARD, checkpoint_of(1), []))
+        go = asyncio.Event()
+
+        async def query() -> dict[int, bytes]:
+            async with store.committed_view():  # type: ignore[union-attr]
+                await go.wait()
+                return rows_of(store.db)
+
+        querying = asyncio.ensure_future(query())
+        await asyncio.sleep(0.01)
+        destroying = asyncio.ensure_future(store.destroy())
+        await asyncio.sleep(0.05)
+        assert not destroying.done()
+        with pytest.raises(StoreError, match="destroyed"):
+            await _rows_in_view(store)
+        go.set()
+        assert await querying == expected_rows(1)
+        await asyncio.wait_for(destroying, DEADLINE)
+        await store.fs.recorder.close()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -88,6 +88,13 @@ class OpFuture:
     def __await__(self) -> Generator[Any, None, pb.AppendResponse]:
         # Shielded: a cancelled awaiter must not cancel an outcome others share.
         return asyncio.shield(self._future).__await__()
+
+    def on_success(self, callback: Callable[[pb.AppendResponse], object]) -> None:
+        """Call `callback(response)` on the loop once it resolves successfully."""
+        def done(future: asyncio.Future[pb.AppendResponse]) -> None:
+            if not future.cancelled() and future.exception() is None:
+                callback(future.result())
+        self._future.add_done_callback(done)
 
     async def wait(self) -> None:
         """Wait until done, without raising its error."""

@@ -10,15 +10,21 @@ the previous commit's file or this one's, never a torn mix.
 Durability is the recovery log's: the OpFuture `start_commit` returns is a
 recorder barrier, resolved once every op of the commit reached the log.
 
+A committed view (for queries beside the open transaction) reads the document
+of the last durable commit, kept as its bytes and decoded on the first view
+after each commit: `store.state` in a view is that decoded copy, shared by the
+views until the next commit, and must not be changed.
+
 `RecordedStore`, the part this store shares with SQLiteStore, also lives
 here: waiting for a transaction's dependencies before anything is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from google.protobuf import json_format
@@ -28,9 +34,11 @@ from streamkit.client.append_service import OpFuture
 from streamkit.protocol import consumer_pb
 from streamkit.recoverylog.recorded_fs import RecordedFS
 from streamkit.stores.recorded import RecordedStore
-from streamkit.stores.store import StoreError
+from streamkit.stores.store import VIEWING, StoreError, viewing
 
 __all__ = ["JSONFileStore"]
+
+_UNDECODED = object()
 
 
 class JSONFileStore(RecordedStore):
@@ -54,21 +62,46 @@ class JSONFileStore(RecordedStore):
         # never-committed shard must not start from an earlier assignment's work.
         self._initial = copy.deepcopy(state)
         self._model: type[BaseModel] | None = type(state) if isinstance(state, BaseModel) else None
+        self._durable: bytes | None = None  # the last durable commit's document (None: none)
+        self._durable_state: Any = _UNDECODED  # ... decoded, on a committed view's first read
+
+    @property
+    def state(self) -> Any:
+        """The open transaction's state; in a committed view, the last durable commit's."""
+        if VIEWING.get() is not self:
+            return self._state
+        if self._durable_state is _UNDECODED:
+            self._durable_state = (copy.deepcopy(self._initial) if self._durable is None
+                                   else self._decode(self._durable, consumer_pb.Checkpoint()))
+        return self._durable_state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if VIEWING.get() is self:
+            raise StoreError("a committed view is read-only (queries can't write)")
+        self._state = value
+
+    @contextlib.asynccontextmanager
+    async def committed_view(self) -> AsyncIterator[None]:  # type: ignore[override]
+        """Within it, this task's `state` is the last durable commit's (see the module doc)."""
+        self._check_open()
+        with viewing(self):
+            yield
 
     async def restore_checkpoint(self, shard_id: str) -> consumer_pb.Checkpoint:
         self._check_open()
         checkpoint = consumer_pb.Checkpoint()
+        self._durable, self._durable_state = None, _UNDECODED
         if not self.fs.exists(self.path):
             self.state = copy.deepcopy(self._initial)  # a shard never committed
             return checkpoint
         with self.fs.open(self.path, "rb") as f:
-            document = json.loads(f.read())
+            document = f.read()
         try:
-            state = document["state"]
-            self.state = self._model.model_validate(state) if self._model else state
-            json_format.ParseDict(document["checkpoint"], checkpoint)
+            self.state = self._decode(document, checkpoint)
         except (KeyError, ValueError, json_format.ParseError) as error:
             raise StoreError(f"shard {shard_id}: bad state file {self.path}: {error}") from error
+        self._durable = document
         return checkpoint
 
     async def start_commit(
@@ -90,11 +123,23 @@ class JSONFileStore(RecordedStore):
             self.fs.rename(temp, self.path)
         except Exception as error:  # e.g. the recorder already failed
             return OpFuture.finished(error)
-        return self.fs.fsync()
+        durable = self.fs.fsync()
+        durable.on_success(lambda _: self._now_durable(content))
+        return durable
 
     async def destroy(self) -> None:
         """Nothing to release: the files belong to the RecordedFS's directory."""
         self._destroyed = True
+
+    def _now_durable(self, document: bytes) -> None:
+        self._durable, self._durable_state = document, _UNDECODED
+
+    def _decode(self, document: bytes, checkpoint: consumer_pb.Checkpoint) -> Any:
+        """The state of a document; its checkpoint is parsed into `checkpoint`."""
+        parsed = json.loads(document)
+        json_format.ParseDict(parsed["checkpoint"], checkpoint)
+        state = parsed["state"]
+        return self._model.model_validate(state) if self._model else state
 
     def _encode(self, checkpoint: consumer_pb.Checkpoint) -> bytes:
         state = self.state.model_dump(mode="json") if self._model else self.state

@@ -28,7 +28,6 @@ import os
 import re
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -39,7 +38,7 @@ from streamkit.client.append_service import OpFuture
 from streamkit.protocol import consumer_pb, pb
 from streamkit.recoverylog.recorded_fs import RecordedFS
 from streamkit.stores.dir_observer import DirObserver, Observation
-from streamkit.stores.store import Store, StoreError
+from streamkit.stores.store import VIEWING, OpenViews, Store, StoreError, viewing
 from streamkit.tasks import wait_finished
 
 __all__ = [
@@ -56,7 +55,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # The store whose committed view the current task reads in (`committed_view`), if any.
-_VIEWING: ContextVar[RocksDBStore | None] = ContextVar("streamkit_rocksdb_view", default=None)
 Key = bytes | str
 
 RESERVED_PREFIX = b"\x00streamkit/"
@@ -64,7 +62,6 @@ CHECKPOINT_KEY = RESERVED_PREFIX + b"checkpoint"
 
 _BYTES, _JSON = b"b", b"j"  # value tags
 MAX_MANIFEST_SIZE = 128 << 10  # small MANIFESTs roll often, so recovery reads little of them
-VIEW_DRAIN_TIMEOUT = 10.0  # seconds destroy waits for open committed views (queries)
 _MAX_PASSES = 200  # observation passes before a commit gives up on a still directory
 # Memtable sizes a store picks for itself (see `memtable_for`); the largest is RocksDB's default.
 MIN_MEMTABLE, MAX_MEMTABLE = 256 << 10, 64 << 20
@@ -188,9 +185,8 @@ class RocksDBStore(Store):
         self._waiting_on_dependencies = False
         self._destroyed = False
         # Committed views: queries reading the database while no commit writes to it.
-        self._viewers = 0
+        self._views = OpenViews()
         self._writing: asyncio.Future[None] | None = None  # a commit's write, until durable
-        self._viewers_gone: asyncio.Future[None] | None = None
 
     # --- the application's side --------------------------------------------
 
@@ -198,7 +194,7 @@ class RocksDBStore(Store):
         """The value of `key` as this transaction sees it (its own writes included), or
         in a committed view as the last durable commit left it."""
         raw = _key(key)
-        if _VIEWING.get() is not self:
+        if VIEWING.get() is not self:
             for overlay in (self._pending, self._committing):
                 if raw in overlay:
                     value = overlay[raw]
@@ -226,7 +222,7 @@ class RocksDBStore(Store):
     def items(self, prefix: Key = b"") -> Iterator[tuple[bytes, Any]]:
         """(key, value) pairs under `prefix` in key order, as this transaction sees them."""
         start = prefix.encode() if isinstance(prefix, str) else bytes(prefix)
-        overlay = {} if _VIEWING.get() is self else {**self._committing, **self._pending}
+        overlay = {} if VIEWING.get() is self else {**self._committing, **self._pending}
         changed = sorted(k for k in overlay if k.startswith(start))
         stored = self._stored_items(start)
         nxt = next(stored, None)
@@ -249,23 +245,14 @@ class RocksDBStore(Store):
         """Within it, this task's reads skip the open and the committing transactions'
         writes: the database then holds exactly the last durable commit, since a view
         waits for a commit that is writing and a commit waits for the views open."""
-        if _VIEWING.get() is self:  # nested in this task's view: already counted
+        if VIEWING.get() is self:  # nested in this task's view: already counted
             yield
             return
         while self._writing is not None:
             await asyncio.wait((self._writing,))
         self._open_db()  # raises if a commit failed: what it wrote may not be durable
-        self._viewers += 1
-        token = _VIEWING.set(self)
-        try:
+        with self._views.counted(), viewing(self):
             yield
-        finally:
-            self._viewers -= 1  # first: a commit must never wait for a view that ended
-            gone = self._viewers_gone
-            if not self._viewers and gone is not None and not gone.done():
-                gone.set_result(None)
-            with contextlib.suppress(ValueError):  # exited in another context
-                _VIEWING.reset(token)
 
     async def restore_checkpoint(self, shard_id: str) -> consumer_pb.Checkpoint:
         """Open the database (rebuilt by playback) and read the checkpoint committed last.
@@ -323,7 +310,7 @@ class RocksDBStore(Store):
         op = self._commit_op
         if op is not None and not op.done():  # cancelled before its body ever ran
             op.fail(StoreError(f"store at {self.path} destroyed before the commit started"))
-        await self._views_ended()
+        await self._views.drained(f"store at {self.path}")
         try:
             if self._db is not None:
                 await self._call(self._db.close)
@@ -350,7 +337,7 @@ class RocksDBStore(Store):
 
     def _check_writable(self) -> None:
         self._check_usable()
-        if _VIEWING.get() is self:
+        if VIEWING.get() is self:
             raise StoreError("a committed view is read-only (queries can't write)")
 
     def _check_usable(self) -> None:
@@ -360,7 +347,7 @@ class RocksDBStore(Store):
             raise StoreError(f"store at {self.path} failed a commit: {self._failed!r}")
 
     def _open_db(self) -> rocksdict.Rdict:
-        if _VIEWING.get() is not self:  # an open view reads on: nothing writes under it
+        if VIEWING.get() is not self:  # an open view reads on: nothing writes under it
             self._check_usable()
         if self._db is None:
             raise StoreError(f"store at {self.path} was destroyed" if self._destroyed
@@ -439,26 +426,12 @@ class RocksDBStore(Store):
             await asyncio.sleep(min(0.001 * attempt, 0.05))  # let the background work settle
         raise StoreError(f"{self.path}: MANIFEST kept changing over {_MAX_PASSES} passes")
 
-    async def _views_ended(self) -> None:
-        """Until the open committed views end (queries, each bounded by the member's
-        query timeout), or VIEW_DRAIN_TIMEOUT; new ones are refused already."""
-        if not self._viewers:
-            return
-        self._viewers_gone = gone = asyncio.get_running_loop().create_future()
-        try:
-            await asyncio.wait_for(gone, VIEW_DRAIN_TIMEOUT)
-        except TimeoutError:
-            log.warning("store at %s: closed with %d committed views still open",
-                        self.path, self._viewers)
-
     async def _write_durably(self, checkpoint: bytes) -> pb.AppendResponse:
         """Write the committing transaction and record it, with committed views kept out
         (new ones wait; open ones finish first) until it is durable."""
         writing = self._writing = asyncio.get_running_loop().create_future()
         try:
-            while self._viewers:
-                self._viewers_gone = asyncio.get_running_loop().create_future()
-                await self._viewers_gone
+            await self._views.none()
             first = await self._call(self._write_and_scan, self._committing, checkpoint)
             self._committing = {}
             if self.observer is None:

@@ -27,6 +27,12 @@ are fine); `start_commit` adds the checkpoint row to that same transaction
 and commits it, so state and checkpoint land together. The checkpoint is
 one row of table `streamkit_checkpoint`.
 
+Committed views (WAL mode only): a query's view reads through a read-only
+connection of its own, in a read transaction begun when no commit is on its way
+to the log, so it sees exactly the last durable commit; WAL lets the writer go
+on committing meanwhile. In DELETE mode a reader would block the writer's
+commit (and be blocked by it), so queries wait for the open transaction there.
+
 SQLite can end that transaction on its own (INSERT OR ROLLBACK, RAISE(ROLLBACK)
 in a trigger, SQLITE_FULL), and an application can COMMIT by mistake; later
 statements would then autocommit, reaching the log without a checkpoint. So a
@@ -36,9 +42,11 @@ and `start_commit` fails, writing nothing, when the transaction is gone.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Literal
 
@@ -49,7 +57,7 @@ from streamkit.protocol import consumer_pb
 from streamkit.recoverylog.recorded_fs import RecordedFS
 from streamkit.recoverylog.recorder import Recorder
 from streamkit.stores.recorded import RecordedStore
-from streamkit.stores.store import StoreError
+from streamkit.stores.store import OpenViews, StoreError
 
 __all__ = ["CHECKPOINT_TABLE", "JournalMode", "RecordingVFS", "SQLiteStore"]
 
@@ -58,6 +66,10 @@ CHECKPOINT_TABLE = "streamkit_checkpoint"
 JournalMode = Literal["DELETE", "WAL"]
 
 _vfs_ids = itertools.count(1)
+
+# The store and read-only connection of the current task's committed view, if any.
+_VIEW: ContextVar[tuple[SQLiteStore, apsw.Connection] | None] = ContextVar(
+    "streamkit_sqlite_view", default=None)
 
 
 class RecordingVFS(apsw.VFS):
@@ -125,8 +137,10 @@ class SQLiteStore(RecordedStore):
     """Shard state in an SQLite database (`filename` in `fs`), recorded to the recovery log.
 
     `store.db` is the apsw Connection, available after `restore_checkpoint`,
-    always inside the current consumer transaction. `journal_mode` is DELETE
-    (default: each commit leaves just the database file) or WAL.
+    always inside the current consumer transaction. `journal_mode` is WAL
+    (default: it records less per commit, and queries read committed views
+    beside the open transaction) or DELETE (each commit leaves just the
+    database file).
 
     `start_commit` returns once the transaction's dependencies resolved and
     SQLite committed locally; the returned OpFuture resolves once everything
@@ -137,7 +151,7 @@ class SQLiteStore(RecordedStore):
         self,
         fs: RecordedFS,
         filename: str = "db.sqlite",
-        journal_mode: JournalMode = "DELETE",
+        journal_mode: JournalMode = "WAL",
     ) -> None:
         super().__init__(fs)
         self.filename = filename
@@ -146,13 +160,53 @@ class SQLiteStore(RecordedStore):
         self._vfs: RecordingVFS | None = None
         self._db: apsw.Connection | None = None
         self._committing = False  # the store's own COMMIT is running: let it through
+        self._durable: OpFuture | None = None  # the last commit's way to the log
+        self._views = OpenViews()
+        self._readers: list[apsw.Connection] = []  # idle read-only connections, for views
 
     @property
     def db(self) -> apsw.Connection:
-        """The connection, inside the current consumer transaction."""
+        """The connection, inside the current consumer transaction (in a committed view,
+        a read-only one, inside a read transaction of the last durable commit)."""
+        view = _VIEW.get()
+        if view is not None and view[0] is self:
+            return view[1]
         if self._db is None:
             raise StoreError("the database is opened by restore_checkpoint")
         return self._db
+
+    def committed_view(self) -> contextlib.AbstractAsyncContextManager[None] | None:
+        return self._view() if self.journal_mode == "WAL" else None
+
+    @contextlib.asynccontextmanager
+    async def _view(self) -> AsyncIterator[None]:
+        view = _VIEW.get()
+        if view is not None and view[0] is self:  # nested in this task's view
+            yield
+            return
+        while (durable := self._durable) is not None and not durable.done():
+            await durable.wait()  # a commit on its way to the log: not yet committed
+        self._check_open()
+        if self._db is None:
+            raise StoreError("the database is opened by restore_checkpoint")
+        if durable is not None and (error := durable.exception()) is not None:
+            raise StoreError(f"store failed a commit: {error!r}")
+        reader = self._readers.pop() if self._readers else self._open_reader()
+        reader.execute("BEGIN")
+        reader.execute(f"SELECT count(*) FROM {CHECKPOINT_TABLE}").fetchall()  # snapshot: now
+        token = _VIEW.set((self, reader))
+        try:
+            with self._views.counted():
+                yield
+        finally:
+            with contextlib.suppress(ValueError):  # exited in another context
+                _VIEW.reset(token)
+            if self._destroyed:  # outlasted destroy's wait
+                reader.close()
+            else:
+                if reader.in_transaction:
+                    reader.execute("ROLLBACK")
+                self._readers.append(reader)
 
     async def restore_checkpoint(self, shard_id: str) -> consumer_pb.Checkpoint:
         self._check_open()
@@ -205,21 +259,28 @@ class SQLiteStore(RecordedStore):
         finally:
             if not db.in_transaction:
                 db.execute("BEGIN")  # the next consumer transaction
-        return self.fs.fsync()
+        self._durable = self.fs.fsync()
+        return self._durable
 
     async def destroy(self) -> None:
         """Close the database (dropping the open transaction) and unregister the VFS."""
         if self._destroyed:
             return
         self._destroyed = True
-        if self._db is not None:
-            if self._db.in_transaction:
-                self._db.execute("ROLLBACK")
-            self._db.close()
-            self._db = None
-        if self._vfs is not None:
-            self._vfs.unregister()
-            self._vfs = None
+        await self._views.drained(f"SQLite store {self.filename}")
+        for reader in self._readers:
+            reader.close()
+        self._readers = []
+        db, self._db = self._db, None
+        try:
+            if db is not None:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                db.close()
+        finally:
+            if self._vfs is not None:
+                self._vfs.unregister()
+                self._vfs = None
 
     def _open(self) -> apsw.Connection:
         """Open the database through a recording VFS and prepare the checkpoint table."""
@@ -229,6 +290,9 @@ class SQLiteStore(RecordedStore):
             flags=apsw.SQLITE_OPEN_READWRITE | apsw.SQLITE_OPEN_CREATE,
             vfs=self._vfs_name,
         )
+        # Closing writes nothing (no WAL checkpoint): a released store's directory is
+        # disposable, and a deposed primary's recorder would refuse the writes.
+        db.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
         db.execute(f"PRAGMA journal_mode={self.journal_mode}")
         db.execute("PRAGMA synchronous=FULL")
         db.execute(
@@ -237,6 +301,11 @@ class SQLiteStore(RecordedStore):
         )
         db.set_commit_hook(self._veto_foreign_commit, id="streamkit-sqlitestore")
         return db
+
+    def _open_reader(self) -> apsw.Connection:
+        """A read-only connection, for committed views: nothing it opens is recorded."""
+        return apsw.Connection(str(self.fs.local(self.filename)),
+                               flags=apsw.SQLITE_OPEN_READONLY, vfs=self._vfs_name)
 
     def _veto_foreign_commit(self) -> bool:
         """True (turn into a rollback) for any commit but the store's own: see the module doc."""

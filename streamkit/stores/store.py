@@ -23,9 +23,12 @@ How the consumer runtime drives a store, which implementations may rely on:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 
 from streamkit.client.append_service import OpFuture
 
@@ -34,7 +37,59 @@ from streamkit.client.append_service import OpFuture
 from streamkit.errors import StreamkitError
 from streamkit.protocol import consumer_pb
 
-__all__ = ["FencedError", "Store", "StoreError"]
+__all__ = ["VIEWING", "VIEW_DRAIN_TIMEOUT", "FencedError", "OpenViews", "Store", "StoreError",
+           "viewing"]
+
+log = logging.getLogger(__name__)
+
+VIEW_DRAIN_TIMEOUT = 10.0  # seconds a store's destroy waits for open committed views (queries)
+
+# The store the current task reads in a committed view, if any. A ContextVar, so the
+# transaction loop's task keeps reading its own writes while a query's task views.
+VIEWING: ContextVar[Store | None] = ContextVar("streamkit_store_view", default=None)
+
+
+@contextlib.contextmanager
+def viewing(store: Store) -> Iterator[None]:
+    """Mark the current task as reading `store` in a committed view, for the block."""
+    token = VIEWING.set(store)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):  # exited in another context
+            VIEWING.reset(token)
+
+
+class OpenViews:
+    """A count of a store's open committed views, and a wait for it to reach zero
+    (before a commit that must not write under them, or before closing)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._none: asyncio.Future[None] | None = None
+
+    @contextlib.contextmanager
+    def counted(self) -> Iterator[None]:
+        self.count += 1
+        try:
+            yield
+        finally:
+            self.count -= 1
+            if not self.count and self._none is not None and not self._none.done():
+                self._none.set_result(None)
+
+    async def none(self) -> None:
+        """Until no view is open."""
+        while self.count:
+            self._none = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._none)
+
+    async def drained(self, store: object) -> None:
+        """Until no view is open, or VIEW_DRAIN_TIMEOUT (new views are refused already)."""
+        try:
+            await asyncio.wait_for(self.none(), VIEW_DRAIN_TIMEOUT)
+        except TimeoutError:
+            log.warning("%s: closed with %d committed views still open", store, self.count)
 
 
 class StoreError(StreamkitError):
