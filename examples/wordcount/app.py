@@ -92,13 +92,24 @@ class SQLiteCounts(Counts):
 
     def __init__(self, store: Any) -> None:
         super().__init__(store)
-        store.db.execute("CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INT)")
+        self.created = False  # by this store's transactions (a query's connection can't)
 
     def _get(self, word: str) -> int:
-        row = self.store.db.execute("SELECT n FROM counts WHERE word = ?", (word,)).fetchone()
+        import apsw
+
+        try:
+            row = self.store.db.execute("SELECT n FROM counts WHERE word = ?", (word,)).fetchone()
+        except apsw.SQLError as error:  # no such table: nothing committed yet
+            if "no such table" not in str(error):
+                raise
+            return 0
         return row[0] if row else 0
 
     def _put(self, word: str, total: int) -> None:
+        if not self.created:
+            self.store.db.execute(
+                "CREATE TABLE IF NOT EXISTS counts (word TEXT PRIMARY KEY, n INT)")
+            self.created = True
         self.store.db.execute("INSERT OR REPLACE INTO counts VALUES (?, ?)", (word, total))
 
 
