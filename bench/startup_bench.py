@@ -1,7 +1,7 @@
 """How soon `streamkit run` serves: from its command, and again after a SIGKILL.
 
     python bench/startup_bench.py [--rounds 5] [--history 20000,400000]
-                                  [--busy LINES [--busy-after 3.5]]
+                                  [--busy LINES [--busy-after 3.5]] [--store KIND]
 
 * start: `streamkit run` of a fresh copy of examples/wordcount (8 shards, RocksDB) with
   its bundled broker, timed from the command until every shard answers a query
@@ -20,6 +20,7 @@
   the kill, queries go to the catching-up shards every 0.2 s: their latency is
   printed too (a query sees committed state, so it waits for the commit in flight).
 
+`--store` picks the wordcount's store kind (rocksdb, json or sqlite) for every run.
 Commands run with bytecode caching on (as an installed streamkit would), rounds
 alternate, and the best and median of each are printed.
 """
@@ -110,7 +111,7 @@ async def until_serving(app: Path, proc: subprocess.Popen, started: float,
 
 
 async def start_once(tmp: Path, index: int) -> float:
-    app = copy_app(tmp, f"start-{index}", "wordcount")
+    app = copy_wordcount(tmp, f"start-{index}", "wordcount")
     started = time.monotonic()
     proc = run_command(app, tmp, "--port", str(8480 + 2 * index))
     try:
@@ -120,7 +121,7 @@ async def start_once(tmp: Path, index: int) -> float:
 
 
 async def restart_once(tmp: Path, broker: BrokerProcess, history: int, index: int) -> float:
-    app = copy_app(tmp, f"restart-{history}-{index}", f"wc-h{history}-r{index}")
+    app = copy_wordcount(tmp, f"restart-{history}-{index}", f"wc-h{history}-r{index}")
     config = load_config(app)
     proc = run_command(app, tmp, "--broker", broker.address)
     try:
@@ -138,11 +139,22 @@ async def restart_once(tmp: Path, broker: BrokerProcess, history: int, index: in
         stop_run(proc)
 
 
+def copy_wordcount(tmp: Path, folder: str, name: str) -> Path:
+    """A fresh copy of examples/wordcount, with the store kind of `--store`."""
+    app = copy_app(tmp, folder, name)
+    config = app / "streamkit.yaml"
+    config.write_text(config.read_text().replace("kind: rocksdb", f"kind: {STORE}"))
+    return app
+
+
+STORE = "rocksdb"  # the store kind of every app run (--store)
+
+
 async def busy_restarts(tmp: Path, broker: BrokerProcess, lines: int, rounds: int,
                         after: float) -> tuple[list[float], list[float]]:
     """Restarts after a SIGKILL `after` seconds into a catch-up of `lines` lines, and the
     latencies of queries made meanwhile."""
-    app = copy_app(tmp, "busy", "wc-busy")
+    app = copy_wordcount(tmp, "busy", "wc-busy")
     await preload(broker, [app], lines_file(lines).read_text().splitlines())
     config = load_config(app)
     times: list[float] = []
@@ -212,7 +224,7 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             **{f"restart_after_{h}_lines": summary(t) for h, t in restarts.items()},
             **({"restart_mid_catch_up": summary(busy),
                 "query_during_catch_up": _latency_summary(latencies)} if busy else {}),
-            "load": os.getloadavg()[0], "machine": machine()}
+            "store": STORE, "load": os.getloadavg()[0], "machine": machine()}
 
 
 def main() -> None:
@@ -225,9 +237,12 @@ def main() -> None:
                              "LINES lines (0: not)")
     parser.add_argument("--busy-after", type=float, default=3.5, metavar="SECONDS",
                         help="how long after serving the busy app is killed")
+    parser.add_argument("--store", default="rocksdb", choices=("rocksdb", "json", "sqlite"))
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    args.history = [int(h) for h in args.history.split(",")]
+    args.history = [int(h) for h in args.history.split(",") if h]
+    global STORE
+    STORE = args.store
     with tempfile.TemporaryDirectory(prefix="streamkit-startup-") as tmp:
         results = asyncio.run(bench(args, Path(tmp)))
     if args.json:
