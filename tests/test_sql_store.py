@@ -394,32 +394,3 @@ async def _writer(url: str, shard: str, table: sa.Table, mode: str, pause_after:
 if __name__ == "__main__":
     url_arg, shard_arg, table_arg, mode_arg, pause_arg = sys.argv[1:6]
     asyncio.run(_writer(url_arg, shard_arg, app_table(table_arg), mode_arg, int(pause_arg)))
-
-
-def _rows(conn: sa.Connection, table: sa.Table) -> list[int]:
-    return list(conn.execute(sa.select(table.c.n).order_by(table.c.n)).scalars())
-
-
-async def test_a_committed_view_reads_what_the_database_committed(
-        new_store, db_url, shard, table):
-    """A view's `run` and `transaction` use a read transaction of their own: it sees
-    neither the open transaction nor one whose commit waits on its dependencies, and
-    doesn't wait for that commit either; on PostgreSQL it is read-only."""
-    store = new_store()
-    await store.restore_checkpoint(shard)
-    await (await commit_txn(store, table, 1))
-    dependency = ManualOp()
-    committing = await commit_txn(store, table, 2, dependency)
-    async with store.committed_view():
-        assert await asyncio.wait_for(store.run(_rows, table), 30) == [1]  # no wait for the commit
-        assert _rows(store.transaction(), table) == [1]
-        async with store.committed_view():  # nested: the same read transaction
-            assert await store.run(_rows, table) == [1]
-        if "postgresql" in db_url:
-            with pytest.raises(sa.exc.DBAPIError, match="read-only"):
-                await store.run(insert_row, table, 99)
-    dependency.succeed()
-    await committing
-    async with store.committed_view():
-        assert await store.run(_rows, table) == [1, 2]
-    assert read_committed(db_url, shard, table).rows == [1, 2]

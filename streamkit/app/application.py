@@ -141,7 +141,7 @@ class Application:
         """Called when the transaction's commit started; `commit` resolves when it is durable."""
 
     # True: `query` may run while a transaction is open, reading the store's committed
-    # view where it has one (RocksDB, JSON, SQL, SQLite in WAL mode), so it need not
+    # view where it has one (RocksDB, JSON, SQLite in WAL mode), so it need not
     # wait for the transaction to end.
     # It must then read only the store (not attributes a transaction changes), and
     # can't write. False (the default): queries run between transactions.
@@ -152,7 +152,7 @@ class Application:
 
         It sees a consistent state: the last durable commit. It runs between
         transactions, or, with `concurrent_queries` and a store that has a
-        committed view (all but SQLite in DELETE mode), while a transaction
+        committed view (RocksDB, JSON, SQLite in WAL mode), while a transaction
         is open, its reads
         skipping that transaction's writes. Raise QueryError for requests it
         can't answer.

@@ -17,14 +17,6 @@ update matches no row, the whole transaction is rolled back and the commit
 fails with FencedError. The row lock the update takes also orders a commit
 against a concurrent restore: whichever commits second sees the first.
 
-A committed view (queries beside the open transaction) is a read transaction
-of its own, on another connection from the engine's pool and a second worker
-thread: the database shows it only committed data, and a commit is durable
-once the database committed it, so the view needs no waiting of its own. It
-is REPEATABLE READ where the database has that level, READ ONLY on
-PostgreSQL, and rolled back when the view ends, so nothing a query does in it
-is ever committed.
-
 SQLAlchemy is synchronous, so all database work runs on one worker thread per
 store, through its one connection. One thread (rather than the default pool
 of `asyncio.to_thread`) keeps the connection's use strictly in submission
@@ -34,13 +26,11 @@ order and on a single thread, which some drivers require.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import shlex
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
@@ -48,7 +38,7 @@ from sqlalchemy.exc import IntegrityError, NoSuchModuleError
 
 from streamkit.client.append_service import OpFuture
 from streamkit.protocol import consumer_pb, pb
-from streamkit.stores.store import FencedError, OpenViews, Store, StoreError
+from streamkit.stores.store import FencedError, Store, StoreError
 from streamkit.tasks import wait_finished
 
 __all__ = ["CHECKPOINTS", "SQLStore", "driver_problem"]
@@ -67,36 +57,6 @@ CHECKPOINTS = sa.Table(
     sa.Column("checkpoint", sa.LargeBinary, nullable=False),
 )
 """The checkpoint table; portable DDL, created by the first restore if missing."""
-
-_REPEATABLE_READ = ("postgresql", "mysql", "mariadb")  # dialects with that isolation level
-
-
-class _View:
-    """A committed view's connection, taken from the pool on its first use."""
-
-    def __init__(self, store: SQLStore) -> None:
-        self.store = store
-        self.conn: sa.Connection | None = None
-
-    def connection(self) -> sa.Connection:
-        if self.conn is None:
-            conn = self.store.engine.connect()
-            dialect = conn.dialect.name
-            if dialect in _REPEATABLE_READ:
-                conn = conn.execution_options(isolation_level="REPEATABLE READ")
-            conn.begin()
-            if dialect == "postgresql":
-                conn.exec_driver_sql("SET TRANSACTION READ ONLY")
-            self.conn = conn
-        return self.conn
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.rollback()  # a query's view commits nothing
-            self.conn.close()
-
-
-_VIEW: ContextVar[_View | None] = ContextVar("streamkit_sql_view", default=None)
 
 _RESTORE_ATTEMPTS = 5  # a racing first restore of a new shard can lose its INSERT
 
@@ -158,8 +118,6 @@ class SQLStore(Store):
         self._waiting_on_dependencies = False
         self._destroyed = False
         self._table_ready = False
-        self._views = OpenViews()
-        self._view_executor: ThreadPoolExecutor | None = None
 
     @property
     def engine(self) -> sa.Engine:
@@ -179,10 +137,6 @@ class SQLStore(Store):
         statements can never slip into the one being committed.
         """
         self._check_open()
-        if (view := self._view()) is not None:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(
-                self._view_executor, lambda: fn(view.connection(), *args))
         if self._commit_op is not None:
             await self._commit_op.wait()
         return await self._call(self._in_transaction, fn, *args)
@@ -196,37 +150,11 @@ class SQLStore(Store):
         concurrently with `run`.
         """
         self._check_open()
-        if (view := self._view()) is not None:
-            return view.connection()
         if self._commit_op is not None and not self._commit_op.done():
             raise StoreError("a commit is in flight: await store.run(...) instead")
         return self._begun()
 
     # --- Store --------------------------------------------------------------
-
-    @contextlib.asynccontextmanager
-    async def committed_view(self) -> AsyncIterator[None]:  # type: ignore[override]
-        """Within it, this task's `run` and `transaction` use a read transaction of
-        their own, which sees only what the database committed (see the module doc)."""
-        if self._view() is not None:  # nested in this task's view
-            yield
-            return
-        self._check_open()
-        if self._fence is None:
-            raise StoreError(f"shard {self.shard_fqn}: a view before restore_checkpoint")
-        if self._view_executor is None:
-            self._view_executor = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="sqlstore-view")
-        view = _View(self)
-        token = _VIEW.set(view)
-        try:
-            with self._views.counted():
-                yield
-        finally:
-            with contextlib.suppress(ValueError):  # exited in another context
-                _VIEW.reset(token)
-            if view.conn is not None:
-                await asyncio.get_running_loop().run_in_executor(self._view_executor, view.close)
 
     async def restore_checkpoint(self, shard_id: str) -> consumer_pb.Checkpoint:
         self._check_open()
@@ -267,21 +195,14 @@ class SQLStore(Store):
             await wait_finished(task, f"the commit of shard {self.shard_fqn}'s store")
         if op is not None and not op.done():  # cancelled before it even started
             op.fail(StoreError(f"store of shard {self.shard_fqn} destroyed before the commit"))
-        await self._views.drained(f"store of shard {self.shard_fqn}")
         try:
             await self._call(self._close_sync)
         finally:
             self._executor.shutdown(wait=True)
-            if self._view_executor is not None:
-                self._view_executor.shutdown(wait=True)
             if self._owns_engine:
                 self._engine.dispose()
 
     # --- internals ----------------------------------------------------------
-
-    def _view(self) -> _View | None:
-        view = _VIEW.get()
-        return view if view is not None and view.store is self else None
 
     def _check_open(self) -> None:
         if self._destroyed:

@@ -304,8 +304,10 @@ class SQLiteStore(RecordedStore):
 
     def _open_reader(self) -> apsw.Connection:
         """A read-only connection, for committed views: nothing it opens is recorded."""
-        return apsw.Connection(str(self.fs.local(self.filename)),
-                               flags=apsw.SQLITE_OPEN_READONLY, vfs=self._vfs_name)
+        reader = apsw.Connection(str(self.fs.local(self.filename)),
+                                 flags=apsw.SQLITE_OPEN_READONLY, vfs=self._vfs_name)
+        reader.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)  # it can't: read-only
+        return reader
 
     def _veto_foreign_commit(self) -> bool:
         """True (turn into a rollback) for any commit but the store's own: see the module doc."""
