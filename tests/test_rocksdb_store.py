@@ -29,6 +29,7 @@ from streamkit.stores.rocksdb import MIN_MEMTABLE, RocksDBStore, default_options
 from streamkit.stores.store import StoreError
 from tests.brokerproc import BrokerProcess
 from tests.helpers_client import create_journal, unique_name
+from tests.viewing import destroy_while_viewing
 from tests.waiting import DEADLINE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -287,29 +288,18 @@ async def test_destroy_waits_for_open_committed_views(
     await store.restore_checkpoint("shard")
     store.put("a", 1)
     await (await store.start_commit("shard", checkpoint_of(1), []))
-    go, read = asyncio.Event(), []
-
-    async def query() -> None:
-        async with store.committed_view():
-            await go.wait()
-            read.append(store.get("a"))
-
-    querying = asyncio.ensure_future(query())
-    await asyncio.sleep(0.01)
-    destroying = asyncio.ensure_future(store.destroy())
-    await asyncio.sleep(0.05)
-    assert not destroying.done()
-    with pytest.raises(StoreError, match="destroyed"):
-        await _read_in_view(store, "a")
-    go.set()
-    await asyncio.wait_for(destroying, DEADLINE)
-    await querying
-    assert read == [1]
+    assert await destroy_while_viewing(store, lambda: store.get("a")) == 1
 
     monkeypatch.setattr("streamkit.stores.store.VIEW_DRAIN_TIMEOUT", 0.05)
     store = RocksDBStore(tmp_path / "db")
     await store.restore_checkpoint("shard")
-    go.clear()
+    go = asyncio.Event()
+
+    async def query() -> None:  # past the timeout: its read fails, the process lives
+        async with store.committed_view():
+            await go.wait()
+            store.get("a")
+
     querying = asyncio.ensure_future(query())
     await asyncio.sleep(0.01)
     await asyncio.wait_for(store.destroy(), DEADLINE)

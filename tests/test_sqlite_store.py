@@ -18,10 +18,11 @@ import pytest
 
 from streamkit.client import BrokerClient, OpFuture, RegisterMismatch
 from streamkit.recoverylog.recovery import recover
-from streamkit.stores.sqlite import JournalMode, SQLiteStore
+from streamkit.stores.sqlite import IDLE_READERS, JournalMode, SQLiteStore
 from streamkit.stores.store import StoreError
 from tests.brokerproc import BrokerProcess
 from tests.test_json_store import SHARD, checkpoint_of, new_log, run_and_kill_writer, txn_of
+from tests.viewing import destroy_while_viewing
 from tests.waiting import DEADLINE
 
 MODES: list[JournalMode] = ["DELETE", "WAL"]
@@ -310,21 +311,51 @@ async def test_destroy_waits_for_an_open_sqlite_view(
         await store.restore_checkpoint(SHARD)
         apply_txn(store.db, 1)
         await (await store.start_commit(SHARD, checkpoint_of(1), []))
+        assert await destroy_while_viewing(store, lambda: rows_of(store.db)) == expected_rows(1)
+        await store.fs.recorder.close()
+
+
+async def test_journal_mode_is_checked(shared_broker: BrokerProcess, tmp_path: Path) -> None:
+    """Any case of WAL or DELETE is taken (a lowercase "wal" keeps views); another mode,
+    which the recording doesn't cover, is refused by name."""
+    async with BrokerClient(shared_broker.address) as client:
+        fs = await recover(client, await new_log(client), tmp_path / "db")
+        with pytest.raises(StoreError, match="journal_mode 'memory'"):
+            SQLiteStore(fs, journal_mode=cast(JournalMode, "memory"))
+        store = SQLiteStore(fs, journal_mode=cast(JournalMode, "wal"))
+        assert store.journal_mode == "WAL" and store.committed_view() is not None
+        await store.restore_checkpoint(SHARD)
+        assert store.db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        await store.destroy()
+        await fs.recorder.close()
+
+
+class _Doubling(SQLiteStore):
+    def prepare(self, connection: apsw.Connection) -> None:
+        connection.create_scalar_function("double", lambda x: 2 * x, 1)
+
+
+async def test_view_connections_are_prepared_and_few(
+        shared_broker: BrokerProcess, tmp_path: Path) -> None:
+    """A function the store registers in `prepare` works in the transaction and in
+    every view; after a burst of concurrent views, only IDLE_READERS stay open."""
+    async with BrokerClient(shared_broker.address) as client:
+        store = _Doubling(await recover(client, await new_log(client), tmp_path / "db"))
+        await store.restore_checkpoint(SHARD)
+        apply_txn(store.db, 1)
+        assert store.db.execute("SELECT double(21)").fetchone() == (42,)
+        await (await store.start_commit(SHARD, checkpoint_of(1), []))
         go = asyncio.Event()
 
-        async def query() -> dict[int, bytes]:
+        async def query() -> int:
             async with store.committed_view():  # type: ignore[union-attr]
                 await go.wait()
-                return rows_of(store.db)
+                return store.db.execute("SELECT double(count(*)) FROM kv").fetchone()[0]
 
-        querying = asyncio.ensure_future(query())
-        await asyncio.sleep(0.01)
-        destroying = asyncio.ensure_future(store.destroy())
+        burst = [asyncio.ensure_future(query()) for _ in range(IDLE_READERS + 3)]
         await asyncio.sleep(0.05)
-        assert not destroying.done()
-        with pytest.raises(StoreError, match="destroyed"):
-            await _rows_in_view(store)
         go.set()
-        assert await querying == expected_rows(1)
-        await asyncio.wait_for(destroying, DEADLINE)
+        assert set(await asyncio.gather(*burst)) == {2 * len(expected_rows(1))}
+        assert len(store._readers) == IDLE_READERS
+        await store.destroy()
         await store.fs.recorder.close()

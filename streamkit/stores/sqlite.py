@@ -30,7 +30,8 @@ one row of table `streamkit_checkpoint`.
 Committed views (WAL mode only): a query's view reads through a read-only
 connection of its own, in a read transaction begun when no commit is on its way
 to the log, so it sees exactly the last durable commit; WAL lets the writer go
-on committing meanwhile. In DELETE mode a reader would block the writer's
+on committing meanwhile (`prepare` sets a view's connection up like the
+transaction's). In DELETE mode a reader would block the writer's
 commit (and be blocked by it), so queries wait for the open transaction there.
 
 SQLite can end that transaction on its own (INSERT OR ROLLBACK, RAISE(ROLLBACK)
@@ -48,7 +49,7 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast, get_args
 
 import apsw
 
@@ -64,6 +65,7 @@ __all__ = ["CHECKPOINT_TABLE", "JournalMode", "RecordingVFS", "SQLiteStore"]
 CHECKPOINT_TABLE = "streamkit_checkpoint"
 
 JournalMode = Literal["DELETE", "WAL"]
+IDLE_READERS = 4  # read-only connections kept open for the next committed views
 
 _vfs_ids = itertools.count(1)
 
@@ -155,7 +157,12 @@ class SQLiteStore(RecordedStore):
     ) -> None:
         super().__init__(fs)
         self.filename = filename
-        self.journal_mode = journal_mode
+        if journal_mode.upper() not in get_args(JournalMode):
+            raise StoreError(
+                f"SQLiteStore journal_mode {journal_mode!r}: streamkit records only "
+                "'WAL' or 'DELETE'"
+            )
+        self.journal_mode = cast(JournalMode, journal_mode.upper())
         self._vfs_name = f"streamkit-recorded-{os.getpid()}-{next(_vfs_ids)}"
         self._vfs: RecordingVFS | None = None
         self._db: apsw.Connection | None = None
@@ -201,8 +208,8 @@ class SQLiteStore(RecordedStore):
         finally:
             with contextlib.suppress(ValueError):  # exited in another context
                 _VIEW.reset(token)
-            if self._destroyed:  # outlasted destroy's wait
-                reader.close()
+            if self._destroyed or len(self._readers) >= IDLE_READERS:
+                reader.close()  # outlasted destroy's wait, or a burst of queries ended
             else:
                 if reader.in_transaction:
                     reader.execute("ROLLBACK")
@@ -293,20 +300,32 @@ class SQLiteStore(RecordedStore):
         # Closing writes nothing (no WAL checkpoint): a released store's directory is
         # disposable, and a deposed primary's recorder would refuse the writes.
         db.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)
-        db.execute(f"PRAGMA journal_mode={self.journal_mode}")
+        (mode,) = db.execute(f"PRAGMA journal_mode={self.journal_mode}").fetchone()
+        if mode.upper() != self.journal_mode:  # SQLite keeps the old mode on failure
+            db.close()
+            raise StoreError(
+                f"{self.filename}: SQLite stays in journal_mode {mode}, "
+                f"not {self.journal_mode}"
+            )
         db.execute("PRAGMA synchronous=FULL")
         db.execute(
             f"CREATE TABLE IF NOT EXISTS {CHECKPOINT_TABLE}"
             "(id INTEGER PRIMARY KEY CHECK (id = 0), checkpoint BLOB NOT NULL)"
         )
         db.set_commit_hook(self._veto_foreign_commit, id="streamkit-sqlitestore")
+        self.prepare(db)
         return db
+
+    def prepare(self, connection: apsw.Connection) -> None:
+        """Override to register functions or collations, or to set PRAGMAs, on every
+        connection: the transaction's and each committed view's (which are read-only)."""
 
     def _open_reader(self) -> apsw.Connection:
         """A read-only connection, for committed views: nothing it opens is recorded."""
         reader = apsw.Connection(str(self.fs.local(self.filename)),
                                  flags=apsw.SQLITE_OPEN_READONLY, vfs=self._vfs_name)
         reader.config(apsw.SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1)  # it can't: read-only
+        self.prepare(reader)
         return reader
 
     def _veto_foreign_commit(self) -> bool:

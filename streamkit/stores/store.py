@@ -79,9 +79,10 @@ class OpenViews:
                 self._none.set_result(None)
 
     async def none(self) -> None:
-        """Until no view is open."""
+        """Until no view is open (every waiter shares one future, so all wake)."""
         while self.count:
-            self._none = asyncio.get_running_loop().create_future()
+            if self._none is None or self._none.done():
+                self._none = asyncio.get_running_loop().create_future()
             await asyncio.shield(self._none)
 
     async def drained(self, store: object) -> None:
