@@ -12,10 +12,12 @@ ended with is logged (WARNING) as dropped, never raised.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
-__all__ = ["cancel_and_wait", "wait_finished"]
+__all__ = ["Countdown", "cancel_and_wait", "wait_finished"]
 
 log = logging.getLogger(__name__)
 
@@ -52,3 +54,30 @@ async def cancel_and_wait(task: asyncio.Future[Any], what: str) -> None:
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}" if str(error) else repr(error)
+
+
+class Countdown:
+    """How many of something are under way (views open, shards taking over), and a
+    wait until none is."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._zero: asyncio.Future[None] | None = None
+
+    @contextlib.contextmanager
+    def counted(self) -> Iterator[None]:
+        """One more under way while the block runs."""
+        self.count += 1
+        try:
+            yield
+        finally:
+            self.count -= 1
+            if not self.count and self._zero is not None and not self._zero.done():
+                self._zero.set_result(None)
+
+    async def zero(self) -> None:
+        """Until none is under way (every waiter shares one future, so all wake)."""
+        while self.count:
+            if self._zero is None or self._zero.done():
+                self._zero = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._zero)

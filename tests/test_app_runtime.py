@@ -569,3 +569,62 @@ async def test_a_replica_names_the_hook_it_runs(shared_broker: Any, tmp_path: Pa
                     gate.set()
             Gated.gate = SlowQuery.query_gate = None
             await service.stop()
+
+
+async def test_shards_taking_over_together_start_reading_together(
+        shared_broker: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A primary that took over waits (up to TAKE_OVER_HOLD) for the process's other
+    shards still taking over, so that none catches up while the others recover; one
+    stuck in its take-over holds the rest no longer than that."""
+    async with BrokerClient(shared_broker.address) as client:
+        base = unique_name("app")
+        journals = await _journals(client, base, 2)
+        specs = _specs(base, journals["inputs"])
+        await _publish_lines(client, journals["inputs"], [f"w{i}" for i in range(20)])
+        runtime = _runtime(WordCount, client, tmp_path, journals["outputs"])
+        entered, release = asyncio.Event(), asyncio.Event()
+        make_store = runtime.store_factory
+
+        def store_factory(shard: Any, fs: Any, state: Any) -> Any:
+            store = make_store(shard, fs, state)
+            if shard.id == "shard-001":  # its store opens only once `release` is set
+                restore = store.restore_checkpoint
+
+                async def held_restore(shard_id: str) -> Any:
+                    entered.set()
+                    await release.wait()
+                    return await restore(shard_id)
+
+                store.restore_checkpoint = held_restore
+            return store
+
+        runtime.store_factory = store_factory
+        monkeypatch.setattr("streamkit.app.replica.TAKE_OVER_HOLD", LIVENESS)
+        service = Service(runtime)
+        try:
+            await service.assign(specs, {sid: 0 for sid in specs})
+            first = service.replicas["shard-000"]
+            await asyncio.wait_for(entered.wait(), LIVENESS)
+            await asyncio.sleep(0.3)
+            assert first.store is not None and first.loop is None  # held, not reading
+            release.set()
+            await _wait_processed(service, client, journals["inputs"])
+        finally:
+            release.set()
+            await service.stop()
+
+        # Held past TAKE_OVER_HOLD, shard-001 holds shard-000 back no longer.
+        monkeypatch.setattr("streamkit.app.replica.TAKE_OVER_HOLD", 0.2)
+        entered.clear()
+        release.clear()
+        await _publish_lines(client, journals["inputs"][:1], ["late"])
+        service = Service(runtime)
+        try:
+            await service.assign(specs, {sid: 0 for sid in specs})
+            await asyncio.wait_for(entered.wait(), LIVENESS)
+            first = service.replicas["shard-000"]
+            await _wait_processed_one(first, client, journals["inputs"][0])
+            assert not release.is_set() and first.status.code == Code.PRIMARY
+        finally:
+            release.set()
+            await service.stop()

@@ -1,4 +1,5 @@
-"""streamkit.tasks: waiting for a task without taking its outcome for the caller's own."""
+"""streamkit.tasks: waiting for a task without taking its outcome for the caller's own;
+Countdown's waiters."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
-from streamkit.tasks import cancel_and_wait, wait_finished
+from streamkit.tasks import Countdown, cancel_and_wait, wait_finished
+from tests.waiting import DEADLINE
 
 
 async def _stubborn(release: asyncio.Event) -> str:
@@ -122,3 +124,28 @@ async def test_wait_finished_returns_the_result_or_none() -> None:
     cancelled = asyncio.ensure_future(asyncio.sleep(3600))
     cancelled.cancel()
     assert await wait_finished(cancelled, "a sleeper") is None
+
+
+async def test_every_waiter_wakes_when_the_last_one_ends() -> None:
+    views = Countdown()
+    await asyncio.wait_for(views.zero(), DEADLINE)  # none open: no wait
+    with views.counted():
+        with views.counted():
+            # A commit and a destroy (say) wait at once.
+            waiters = [asyncio.ensure_future(views.zero()) for _ in range(3)]
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)
+        assert not any(w.done() for w in waiters)  # one view is still open
+    await asyncio.wait_for(asyncio.gather(*waiters), DEADLINE)
+    assert views.count == 0
+
+
+async def test_a_cancelled_waiter_leaves_the_others_waiting() -> None:
+    views = Countdown()
+    with views.counted():
+        first, second = (asyncio.ensure_future(views.zero()) for _ in range(2))
+        await asyncio.sleep(0.01)
+        first.cancel()
+        await asyncio.sleep(0.01)
+        assert not second.done()
+    await asyncio.wait_for(second, DEADLINE)

@@ -11,6 +11,7 @@ checkpoint says. A primary without a standby phase does all of it at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import time
@@ -40,7 +41,7 @@ from streamkit.recoverylog.fsm import FSMError, RecoveryLogError
 from streamkit.recoverylog.recorded_fs import RecordedFS
 from streamkit.recoverylog.recovery import Playback
 from streamkit.stores.store import FencedError, Store
-from streamkit.tasks import cancel_and_wait, wait_finished
+from streamkit.tasks import Countdown, cancel_and_wait, wait_finished
 
 __all__ = ["Replica", "Runtime"]
 
@@ -51,6 +52,8 @@ Code = consumer_pb.ReplicaStatus.Code
 STOP_TIMEOUT = 20.0  # seconds a graceful stop may take before the transaction is abandoned
 _MAX_FENCES = 3  # times a primary may be fenced and recover again within the window
 _FENCE_WINDOW = 60.0
+# Seconds a primary that took over waits for the others of its process still taking over.
+TAKE_OVER_HOLD = 0.2
 _HINT_CHECK = 1.0  # seconds between checks of whether a primary is due to write hints
 
 
@@ -80,6 +83,8 @@ class Runtime:
     # The ACKs of recovered checkpoints, for every shard here: shards recovering at once
     # share one append per journal (`queue_ack_intents`). Holds nothing between appends.
     recovered_acks: AppendService = field(init=False)
+    # Primaries of this process in take-over (recovery and store open) right now.
+    taking_over: Countdown = field(default_factory=Countdown)
 
     def __post_init__(self) -> None:
         self.recovered_acks = AppendService(self.client, sticky_failures=False)
@@ -358,15 +363,21 @@ class Replica:
             await cancel_and_wait(standby, f"shard {self.id}'s standby")
         fs = None
         phases = _Phases()
-        if shard.recovery_log:
-            self._set_status(Code.BACKFILL)
-            fs = self._fs = await self._take_over()
-        phases.mark("take-over")
-        hooks = self._hooks = runtime.watchdog.watch(shard.id)
-        with hooks.call("new_store", False):
-            store = self.store = self.app.new_store(shard, fs)
-        cp = await store.restore_checkpoint(shard.id)
-        phases.mark("store")
+        with runtime.taking_over.counted():
+            if shard.recovery_log:
+                self._set_status(Code.BACKFILL)
+                fs = self._fs = await self._take_over()
+            phases.mark("take-over")
+            hooks = self._hooks = runtime.watchdog.watch(shard.id)
+            with hooks.call("new_store", False):
+                store = self.store = self.app.new_store(shard, fs)
+            cp = await store.restore_checkpoint(shard.id)
+            phases.mark("store")
+        # Shards taking over together (a process's start or restart) start reading
+        # together: one that consumed early would slow the others' recovery on the
+        # same event loop and cores, and the process serves once all of them do.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(runtime.taking_over.zero(), TAKE_OVER_HOLD)
         # Not waited for: the checkpoint's ACKs (the first transaction's publishes queue
         # behind them and its commit depends on them: `queue_ack_intents`), and below,
         # the recovered state's hints (pushed once its ops committed: `_write_hints`).

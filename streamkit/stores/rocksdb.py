@@ -431,7 +431,7 @@ class RocksDBStore(Store):
         (new ones wait; open ones finish first) until it is durable."""
         writing = self._writing = asyncio.get_running_loop().create_future()
         try:
-            await self._views.none()
+            await self._views.zero()
             first = await self._call(self._write_and_scan, self._committing, checkpoint)
             self._committing = {}
             if self.observer is None:

@@ -36,6 +36,7 @@ from streamkit.client.append_service import OpFuture
 # stores build on the same type, so stores share it rather than wrapping it.
 from streamkit.errors import StreamkitError
 from streamkit.protocol import consumer_pb
+from streamkit.tasks import Countdown
 
 __all__ = ["VIEWING", "VIEW_DRAIN_TIMEOUT", "FencedError", "OpenViews", "Store", "StoreError",
            "viewing"]
@@ -60,35 +61,14 @@ def viewing(store: Store) -> Iterator[None]:
             VIEWING.reset(token)
 
 
-class OpenViews:
+class OpenViews(Countdown):
     """A count of a store's open committed views, and a wait for it to reach zero
     (before a commit that must not write under them, or before closing)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._none: asyncio.Future[None] | None = None
-
-    @contextlib.contextmanager
-    def counted(self) -> Iterator[None]:
-        self.count += 1
-        try:
-            yield
-        finally:
-            self.count -= 1
-            if not self.count and self._none is not None and not self._none.done():
-                self._none.set_result(None)
-
-    async def none(self) -> None:
-        """Until no view is open (every waiter shares one future, so all wake)."""
-        while self.count:
-            if self._none is None or self._none.done():
-                self._none = asyncio.get_running_loop().create_future()
-            await asyncio.shield(self._none)
 
     async def drained(self, store: object) -> None:
         """Until no view is open, or VIEW_DRAIN_TIMEOUT (new views are refused already)."""
         try:
-            await asyncio.wait_for(self.none(), VIEW_DRAIN_TIMEOUT)
+            await asyncio.wait_for(self.zero(), VIEW_DRAIN_TIMEOUT)
         except TimeoutError:
             log.warning("%s: closed with %d committed views still open", store, self.count)
 
