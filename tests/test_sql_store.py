@@ -26,7 +26,7 @@ import sqlalchemy as sa
 from streamkit.client.append_service import OpFuture
 from streamkit.protocol import consumer_pb, pb
 from streamkit.stores import FencedError, SQLStore, StoreError
-from streamkit.stores.sql import CHECKPOINTS
+from streamkit.stores.sql import CHECKPOINTS, VIEW_CONNECTIONS
 
 JOURNAL = "examples/words/part-000"
 ROOT = Path(__file__).resolve().parent.parent
@@ -394,3 +394,108 @@ async def _writer(url: str, shard: str, table: sa.Table, mode: str, pause_after:
 if __name__ == "__main__":
     url_arg, shard_arg, table_arg, mode_arg, pause_arg = sys.argv[1:6]
     asyncio.run(_writer(url_arg, shard_arg, app_table(table_arg), mode_arg, int(pause_arg)))
+
+
+# --- committed views --------------------------------------------------------------
+
+
+@pytest.fixture
+def viewable_url(db_url: str) -> str:
+    """The database, able to have committed views: PostgreSQL as it is, SQLite in WAL."""
+    if db_url.startswith("sqlite"):
+        engine = sa.create_engine(db_url)
+        with engine.connect() as conn:
+            conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+        engine.dispose()
+    return db_url
+
+
+def rows_of(conn: sa.Connection, table: sa.Table) -> list[int]:
+    return list(conn.execute(sa.select(table.c.n).order_by(table.c.n)).scalars())
+
+
+async def test_a_committed_view_reads_what_was_committed(new_store, viewable_url, shard, table):
+    """A view's `run` and `transaction` read the committed rows only, from a snapshot
+    taken as it opens: the writer commits meanwhile (no lock between them), the view
+    goes on seeing its snapshot, and it can't write."""
+    store = new_store()
+    await store.restore_checkpoint(shard)
+    await (await commit_txn(store, table, 1))
+    await store.run(insert_row, table, 2)  # the open transaction
+    go = asyncio.Event()
+    outside = asyncio.ensure_future(_read_and_commit(store, table, go))  # begun outside
+    view = store.committed_view()
+    assert view is not None
+    async with view:
+        assert await store.run(rows_of, table) == [1]
+        assert rows_of(store.transaction(), table) == [1]
+        # Another task (the transaction loop's) keeps its transaction, and commits it.
+        go.set()
+        assert await outside == [1, 2]
+        assert await store.run(rows_of, table) == [1]  # the view's snapshot
+        async with store.committed_view():  # nested: the same view
+            assert rows_of(store.transaction(), table) == [1]
+    assert read_committed(viewable_url, shard, table).rows == [1, 2]
+    async with store.committed_view():
+        assert await store.run(rows_of, table) == [1, 2]
+        with pytest.raises(sa.exc.DBAPIError):
+            await store.run(insert_row, table, 99)
+    await (await commit_txn(store, table, 3))  # the view left the pool's connections writable
+    assert read_committed(viewable_url, shard, table).rows == [1, 2, 3]
+
+
+async def _read_and_commit(store: SQLStore, table: sa.Table, go: asyncio.Event) -> list[int]:
+    await go.wait()
+    rows = await store.run(rows_of, table)
+    await (await store.start_commit(store.shard_fqn, checkpoint_at(2), []))
+    return rows
+
+
+async def test_views_wait_for_a_connection_beyond_view_connections(
+        new_store, viewable_url, shard, table):
+    """Each view runs on a thread of its own (a slow one holds up no other), and no
+    more than VIEW_CONNECTIONS are open at once; the rest wait their turn."""
+    from tests.waiting import LIVENESS  # (this file also runs as a script, without `tests`)
+
+    store = new_store()
+    await store.restore_checkpoint(shard)
+    await (await commit_txn(store, table, 1))
+    most = 0
+
+    def slow_read(conn: sa.Connection) -> list[int]:
+        time.sleep(0.1)
+        return rows_of(conn, table)
+
+    async def query() -> list[int]:
+        nonlocal most
+        async with store.committed_view():  # type: ignore[union-attr]
+            most = max(most, store._views.count)
+            return await store.run(slow_read)
+
+    answers = await asyncio.wait_for(
+        asyncio.gather(*(query() for _ in range(VIEW_CONNECTIONS + 3))), LIVENESS)
+    assert answers == [[1]] * (VIEW_CONNECTIONS + 3)
+    assert most == VIEW_CONNECTIONS
+
+
+async def test_destroy_waits_for_an_open_sql_view(new_store, viewable_url, shard, table):
+    from tests.viewing import destroy_while_viewing
+
+    store = new_store()
+    await store.restore_checkpoint(shard)
+    await (await commit_txn(store, table, 1))
+    read = await destroy_while_viewing(store, lambda: rows_of(store.transaction(), table))
+    assert read == [1]
+
+
+async def test_no_view_where_a_reader_would_share_or_block_the_writer(tmp_path: Path) -> None:
+    """SQLite in its default rollback-journal mode (a reader blocks the writer's
+    commit) and a pool of one shared connection (an in-memory database) have no
+    committed view: queries there wait for the transaction."""
+    for engine in (sa.create_engine(f"sqlite:///{tmp_path / 'journal.db'}"),
+                   sa.create_engine("sqlite://", poolclass=sa.pool.StaticPool)):
+        store = SQLStore(engine, "test/shard")
+        await store.restore_checkpoint("test/shard")
+        assert store.committed_view() is None
+        await store.destroy()
+        engine.dispose()

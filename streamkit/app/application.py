@@ -152,7 +152,8 @@ class Application:
 
         It sees a consistent state: the last durable commit. It runs between
         transactions, or, with `concurrent_queries` and a store that has a
-        committed view (RocksDB, JSON, SQLite in WAL mode), while a transaction
+        committed view (RocksDB, JSON, SQLite in WAL mode, SQL on PostgreSQL or
+        on SQLite in WAL mode), while a transaction
         is open, its reads
         skipping that transaction's writes. Raise QueryError for requests it
         can't answer.

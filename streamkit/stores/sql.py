@@ -17,6 +17,19 @@ update matches no row, the whole transaction is rolled back and the commit
 fails with FencedError. The row lock the update takes also orders a commit
 against a concurrent restore: whichever commits second sees the first.
 
+A committed view (a query beside the open transaction) is a read transaction
+on a connection of its own from the engine's pool, used on a thread of its own,
+and begun (its snapshot taken) as the view opens: the database shows it only
+what was committed, and a commit is durable once the database committed it,
+so the view needs no waiting on the store's commits. It is REPEATABLE READ
+READ ONLY on PostgreSQL. On SQLite it needs the database in WAL mode (in the
+default rollback-journal mode a reader would block the writer's commit) and
+runs with `PRAGMA query_only`; pysqlite begins no transaction for reads, so the
+view issues its own BEGIN. Other databases, SQLite without WAL, and engines
+whose pool shares one connection (`StaticPool`, SingletonThreadPool: an
+in-memory database) have no view: their queries wait for the transaction.
+At most VIEW_CONNECTIONS views of a store are open at once; more wait their turn.
+
 SQLAlchemy is synchronous, so all database work runs on one worker thread per
 store, through its one connection. One thread (rather than the default pool
 of `asyncio.to_thread`) keeps the connection's use strictly in submission
@@ -26,19 +39,22 @@ order and on a single thread, which some drivers require.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError, NoSuchModuleError
+from sqlalchemy.pool import AssertionPool, SingletonThreadPool, StaticPool
 
 from streamkit.client.append_service import OpFuture
 from streamkit.protocol import consumer_pb, pb
-from streamkit.stores.store import FencedError, Store, StoreError
+from streamkit.stores.store import FencedError, OpenViews, Store, StoreError, context_set
 from streamkit.tasks import wait_finished
 
 __all__ = ["CHECKPOINTS", "SQLStore", "driver_problem"]
@@ -57,6 +73,9 @@ CHECKPOINTS = sa.Table(
     sa.Column("checkpoint", sa.LargeBinary, nullable=False),
 )
 """The checkpoint table; portable DDL, created by the first restore if missing."""
+
+VIEW_CONNECTIONS = 4  # committed views of one store open at once (each a connection)
+_SHARED_POOLS = (StaticPool, SingletonThreadPool, AssertionPool)  # a view can't have its own
 
 _RESTORE_ATTEMPTS = 5  # a racing first restore of a new shard can lose its INSERT
 
@@ -98,6 +117,61 @@ def _create_engine(url: str) -> sa.Engine:
     return sa.create_engine(url)
 
 
+class _View:
+    """A committed view's read transaction: its connection, and the thread it runs on."""
+
+    def __init__(self, store: SQLStore) -> None:
+        self.store = store
+        self.conn: sa.Connection | None = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlstore-view")
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, functools.partial(fn, *args))
+
+    def open(self) -> None:
+        """Take a connection and begin the read transaction, its snapshot taken now."""
+        conn = self.store.engine.connect()
+        try:
+            if conn.dialect.name == "postgresql":
+                conn.exec_driver_sql(
+                    "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            else:  # SQLite in WAL mode
+                conn.exec_driver_sql("PRAGMA query_only = ON")
+                conn.exec_driver_sql("BEGIN")
+            conn.execute(sa.select(sa.func.count()).select_from(CHECKPOINTS)).one()
+        except BaseException:
+            conn.invalidate()  # whatever state it is in, it goes back to no one
+            conn.close()
+            raise
+        self.conn = conn
+
+    def close(self) -> None:
+        """Roll back (a query's view commits nothing) and give the connection back."""
+        conn, self.conn = self.conn, None
+        if conn is None:
+            return
+        try:
+            conn.rollback()
+            if conn.dialect.name != "postgresql":
+                conn.exec_driver_sql("PRAGMA query_only = OFF")  # pooled: writable again
+                conn.commit()
+        except Exception as error:  # not reusable: discard it
+            log.info("%s: closing a committed view failed: %s", self.store.shard_fqn, error)
+            conn.invalidate()
+        finally:
+            conn.close()
+
+    async def end(self) -> None:
+        try:
+            await self.call(self.close)
+        finally:
+            self._thread.shutdown(wait=False)
+
+
+_VIEW: ContextVar[_View | None] = ContextVar("streamkit_sql_view", default=None)
+
+
 class SQLStore(Store):
     """A Store in an external SQL database (SQLite file, PostgreSQL, ...) via SQLAlchemy.
 
@@ -118,6 +192,9 @@ class SQLStore(Store):
         self._waiting_on_dependencies = False
         self._destroyed = False
         self._table_ready = False
+        self._viewable = False  # whether committed views work here (known after a restore)
+        self._views = OpenViews()
+        self._view_slots = asyncio.Semaphore(VIEW_CONNECTIONS)
 
     @property
     def engine(self) -> sa.Engine:
@@ -134,8 +211,11 @@ class SQLStore(Store):
         """Run `fn(connection, *args)` in the current consumer transaction, off the event loop.
 
         Waits first for a commit in flight, so that the next transaction's
-        statements can never slip into the one being committed.
+        statements can never slip into the one being committed. In a committed view,
+        `fn` gets the view's connection instead, on the view's thread.
         """
+        if (view := self._view()) is not None:  # reads on while destroy waits for it
+            return await view.call(lambda: fn(view.conn, *args))
         self._check_open()
         if self._commit_op is not None:
             await self._commit_op.wait()
@@ -147,14 +227,36 @@ class SQLStore(Store):
         Statements issued on it block the calling thread (the event loop, from
         a plain hook) for as long as the database takes; prefer `run`. It may
         not be used while a commit is in flight (that raises StoreError), nor
-        concurrently with `run`.
+        concurrently with `run`. In a committed view it is the view's connection.
         """
+        if (view := self._view()) is not None:
+            assert view.conn is not None
+            return view.conn
         self._check_open()
         if self._commit_op is not None and not self._commit_op.done():
             raise StoreError("a commit is in flight: await store.run(...) instead")
         return self._begun()
 
     # --- Store --------------------------------------------------------------
+
+    def committed_view(self) -> contextlib.AbstractAsyncContextManager[None] | None:
+        return self._open_view() if self._viewable else None
+
+    @contextlib.asynccontextmanager
+    async def _open_view(self) -> AsyncIterator[None]:
+        if self._view() is not None:  # nested in this task's view
+            yield
+            return
+        async with self._view_slots:
+            self._check_open()
+            view = _View(self)
+            with self._views.counted():
+                try:
+                    await view.call(view.open)
+                    with context_set(_VIEW, view):
+                        yield
+                finally:
+                    await asyncio.shield(view.end())
 
     async def restore_checkpoint(self, shard_id: str) -> consumer_pb.Checkpoint:
         self._check_open()
@@ -195,6 +297,7 @@ class SQLStore(Store):
             await wait_finished(task, f"the commit of shard {self.shard_fqn}'s store")
         if op is not None and not op.done():  # cancelled before it even started
             op.fail(StoreError(f"store of shard {self.shard_fqn} destroyed before the commit"))
+        await self._views.drained(f"store of shard {self.shard_fqn}")
         try:
             await self._call(self._close_sync)
         finally:
@@ -203,6 +306,10 @@ class SQLStore(Store):
                 self._engine.dispose()
 
     # --- internals ----------------------------------------------------------
+
+    def _view(self) -> _View | None:
+        view = _VIEW.get()
+        return view if view is not None and view.store is self else None
 
     def _check_open(self) -> None:
         if self._destroyed:
@@ -255,6 +362,7 @@ class SQLStore(Store):
                     fence, data = conn.execute(
                         sa.select(CHECKPOINTS.c.fence, CHECKPOINTS.c.checkpoint).where(row_is)
                     ).one()
+                self._viewable = _has_views(conn)
                 return int(fence), bytes(data)
             except IntegrityError:
                 continue  # another instance inserted the row first: bump it instead
@@ -322,3 +430,16 @@ def _create_table(conn: sa.Connection) -> None:
         with conn.begin():
             if not sa.inspect(conn).has_table(CHECKPOINTS.name):
                 raise
+
+
+def _has_views(conn: sa.Connection) -> bool:
+    """Whether committed views can read beside this connection's transactions (see the
+    module doc)."""
+    if isinstance(conn.engine.pool, _SHARED_POOLS):
+        return False
+    if conn.dialect.name == "postgresql":
+        return True
+    if conn.dialect.name == "sqlite":
+        mode = conn.exec_driver_sql("PRAGMA journal_mode").scalar()
+        return str(mode).lower() == "wal"
+    return False

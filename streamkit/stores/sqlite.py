@@ -58,7 +58,7 @@ from streamkit.protocol import consumer_pb
 from streamkit.recoverylog.recorded_fs import RecordedFS
 from streamkit.recoverylog.recorder import Recorder
 from streamkit.stores.recorded import RecordedStore
-from streamkit.stores.store import OpenViews, StoreError
+from streamkit.stores.store import OpenViews, StoreError, context_set
 
 __all__ = ["CHECKPOINT_TABLE", "JournalMode", "RecordingVFS", "SQLiteStore"]
 
@@ -201,13 +201,10 @@ class SQLiteStore(RecordedStore):
         reader = self._readers.pop() if self._readers else self._open_reader()
         reader.execute("BEGIN")
         reader.execute(f"SELECT count(*) FROM {CHECKPOINT_TABLE}").fetchall()  # snapshot: now
-        token = _VIEW.set((self, reader))
         try:
-            with self._views.counted():
+            with self._views.counted(), context_set(_VIEW, (self, reader)):
                 yield
         finally:
-            with contextlib.suppress(ValueError):  # exited in another context
-                _VIEW.reset(token)
             if self._destroyed or len(self._readers) >= IDLE_READERS:
                 reader.close()  # outlasted destroy's wait, or a burst of queries ended
             else:

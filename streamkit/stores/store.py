@@ -29,6 +29,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
+from typing import TypeVar
 
 from streamkit.client.append_service import OpFuture
 
@@ -39,9 +40,11 @@ from streamkit.protocol import consumer_pb
 from streamkit.tasks import Countdown
 
 __all__ = ["VIEWING", "VIEW_DRAIN_TIMEOUT", "FencedError", "OpenViews", "Store", "StoreError",
-           "viewing"]
+           "context_set", "viewing"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 VIEW_DRAIN_TIMEOUT = 10.0  # seconds a store's destroy waits for open committed views (queries)
 
@@ -51,14 +54,19 @@ VIEWING: ContextVar[Store | None] = ContextVar("streamkit_store_view", default=N
 
 
 @contextlib.contextmanager
-def viewing(store: Store) -> Iterator[None]:
-    """Mark the current task as reading `store` in a committed view, for the block."""
-    token = VIEWING.set(store)
+def context_set(var: ContextVar[T], value: T) -> Iterator[None]:
+    """`var` holds `value` for the block (a view's marker, in the current task)."""
+    token = var.set(value)
     try:
         yield
     finally:
         with contextlib.suppress(ValueError):  # exited in another context
-            VIEWING.reset(token)
+            var.reset(token)
+
+
+def viewing(store: Store) -> contextlib.AbstractContextManager[None]:
+    """Mark the current task as reading `store` in a committed view, for the block."""
+    return context_set(VIEWING, store)
 
 
 class OpenViews(Countdown):
