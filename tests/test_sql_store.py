@@ -499,3 +499,16 @@ async def test_no_view_where_a_reader_would_share_or_block_the_writer(tmp_path: 
         assert store.committed_view() is None
         await store.destroy()
         engine.dispose()
+
+
+async def test_a_store_of_an_sqlite_url_puts_the_database_in_wal(tmp_path: Path) -> None:
+    """Made from a URL, the store switches an SQLite file to WAL, so it has views."""
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    store = SQLStore(url, "test/shard")
+    await store.restore_checkpoint("test/shard")
+    assert store.committed_view() is not None
+    await store.destroy()
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+    engine.dispose()

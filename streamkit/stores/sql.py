@@ -28,6 +28,8 @@ runs with `PRAGMA query_only`; pysqlite begins no transaction for reads, so the
 view issues its own BEGIN. Other databases, SQLite without WAL, and engines
 whose pool shares one connection (`StaticPool`, SingletonThreadPool: an
 in-memory database) have no view: their queries wait for the transaction.
+A store that makes its own engine from an SQLite URL puts the database in WAL
+mode (it stays so); one given an engine leaves the database's mode alone.
 At most VIEW_CONNECTIONS views of a store are open at once; more wait their turn.
 
 SQLAlchemy is synchronous, so all database work runs on one worker thread per
@@ -344,6 +346,8 @@ class SQLStore(Store):
         conn = self._connection()
         self._rollback()  # whatever a previous assignment left uncommitted is void
         if not self._table_ready:
+            if self._owns_engine and conn.dialect.name == "sqlite":
+                _use_wal(conn, self.shard_fqn)
             _create_table(conn)
             self._table_ready = True
         row_is = CHECKPOINTS.c.shard_fqn == self.shard_fqn
@@ -430,6 +434,18 @@ def _create_table(conn: sa.Connection) -> None:
         with conn.begin():
             if not sa.inspect(conn).has_table(CHECKPOINTS.name):
                 raise
+
+
+def _use_wal(conn: sa.Connection, shard_fqn: str) -> None:
+    """Put an SQLite database in WAL mode (it stays so): views need it, and shards
+    sharing the file no longer block each other's reads. Best effort: a database
+    that can't switch (another connection mid-transaction) stays as it is."""
+    try:
+        conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+        conn.commit()
+    except sa.exc.DBAPIError as error:
+        conn.rollback()
+        log.info("%s: SQLite database left in its journal mode: %s", shard_fqn, error)
 
 
 def _has_views(conn: sa.Connection) -> bool:
