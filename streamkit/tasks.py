@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["Countdown", "cancel_and_wait", "wait_finished"]
+__all__ = ["Countdown", "cancel_and_wait", "finish", "wait_finished"]
 
 log = logging.getLogger(__name__)
 
@@ -81,3 +81,20 @@ class Countdown:
             if self._zero is None or self._zero.done():
                 self._zero = asyncio.get_running_loop().create_future()
             await asyncio.shield(self._zero)
+
+
+async def finish(step: Awaitable[T]) -> T:
+    """Await `step` to its end even if the caller is cancelled meanwhile, once or more
+    (the cancellation is raised after it): for a clean-up that must not be cut short."""
+    task = asyncio.ensure_future(step)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                break
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return task.result()

@@ -575,7 +575,8 @@ async def test_shards_taking_over_together_start_reading_together(
         shared_broker: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A primary that took over waits (up to TAKE_OVER_HOLD) for the process's other
     shards still taking over, so that none catches up while the others recover; one
-    stuck in its take-over holds the rest no longer than that."""
+    stuck in its take-over holds the rest no longer than that, and a promoted standby
+    not at all."""
     async with BrokerClient(shared_broker.address) as client:
         base = unique_name("app")
         journals = await _journals(client, base, 2)
@@ -625,6 +626,23 @@ async def test_shards_taking_over_together_start_reading_together(
             first = service.replicas["shard-000"]
             await _wait_processed_one(first, client, journals["inputs"][0])
             assert not release.is_set() and first.status.code == Code.PRIMARY
+        finally:
+            release.set()
+            await service.stop()
+
+        # A standby promoted meanwhile (a failover) serves at once: no hold for it.
+        monkeypatch.setattr("streamkit.app.replica.TAKE_OVER_HOLD", LIVENESS)
+        entered.clear()
+        release.clear()
+        service = Service(runtime)
+        try:
+            await service.assign(specs, {"shard-000": 1, "shard-001": 0})
+            first = service.replicas["shard-000"]
+            await asyncio.wait_for(entered.wait(), LIVENESS)
+            await eventually(lambda: first.status.code == Code.STANDBY)
+            await service.assign(specs, {sid: 0 for sid in specs})
+            await eventually(lambda: first.status.code == Code.PRIMARY, timeout=LIVENESS / 4)
+            assert not release.is_set()
         finally:
             release.set()
             await service.stop()

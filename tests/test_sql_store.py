@@ -488,17 +488,78 @@ async def test_destroy_waits_for_an_open_sql_view(new_store, viewable_url, shard
     assert read == [1]
 
 
-async def test_no_view_where_a_reader_would_share_or_block_the_writer(tmp_path: Path) -> None:
-    """SQLite in its default rollback-journal mode (a reader blocks the writer's
-    commit) and a pool of one shared connection (an in-memory database) have no
+async def test_no_view_on_a_given_engine_or_a_shared_connection(tmp_path: Path) -> None:
+    """An engine given to the store (the caller's to size, maybe shared with other
+    stores' writers) and an in-memory database (one shared connection) have no
     committed view: queries there wait for the transaction."""
-    for engine in (sa.create_engine(f"sqlite:///{tmp_path / 'journal.db'}"),
-                   sa.create_engine("sqlite://", poolclass=sa.pool.StaticPool)):
-        store = SQLStore(engine, "test/shard")
+    url = f"sqlite:///{tmp_path / 'wal.db'}"
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+    for store in (SQLStore(engine, "test/shard"), SQLStore("sqlite://", "test/shard")):
         await store.restore_checkpoint("test/shard")
         assert store.committed_view() is None
         await store.destroy()
-        engine.dispose()
+    engine.dispose()
+
+
+async def test_a_query_ending_its_view_transaction_still_cannot_write(
+        new_store, viewable_url, shard, table):
+    """Read-only holds for the view's connection, not only its first transaction; and
+    the connection goes back to the pool writable. A task outliving its view gets a
+    StoreError."""
+    store = new_store()
+    await store.restore_checkpoint(shard)
+    await (await commit_txn(store, table, 1))
+
+    def end_and_write(conn: sa.Connection) -> None:
+        conn.rollback()
+        insert_row(conn, table, 666)
+        conn.commit()
+
+    leftover = None
+    async with store.committed_view():  # type: ignore[union-attr]
+        with pytest.raises(sa.exc.DBAPIError):
+            await store.run(end_and_write)
+        go = asyncio.Event()
+
+        async def outliving() -> list[int]:
+            await go.wait()
+            return await store.run(rows_of, table)
+
+        leftover = asyncio.ensure_future(outliving())
+    go.set()
+    with pytest.raises(StoreError, match="view has ended"):
+        await leftover
+    with store.engine.connect() as conn:  # the pool's idle connection: the view's
+        insert_row(conn, table, 2)
+        conn.commit()
+    assert read_committed(viewable_url, shard, table).rows == [1, 2]
+
+
+async def test_a_query_cancelled_in_its_view_gives_everything_back(
+        new_store, viewable_url, shard, table):
+    """Cancelled while its view opens, reads or closes, even twice: the view's slot
+    and count come back once its connection did."""
+    store = new_store()
+    await store.restore_checkpoint(shard)
+    await (await commit_txn(store, table, 1))
+
+    async def query() -> None:
+        async with store.committed_view():  # type: ignore[union-attr]
+            await store.run(lambda conn: (time.sleep(0.05), rows_of(conn, table)))
+
+    for delay in (0, 0.01, 0.03, 0.06, 0.08):
+        task = asyncio.ensure_future(query())
+        await asyncio.sleep(delay)
+        task.cancel()
+        await asyncio.sleep(0.005)
+        task.cancel()
+        await asyncio.wait([task])
+        assert store._views.count == 0 and not store._view_slots.locked()
+        assert store.engine.pool.checkedout() == 1  # the writer's only
+    async with store.committed_view():  # type: ignore[union-attr]
+        assert await store.run(rows_of, table) == [1]
 
 
 async def test_a_store_of_an_sqlite_url_puts_the_database_in_wal(tmp_path: Path) -> None:

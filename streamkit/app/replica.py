@@ -11,7 +11,6 @@ checkpoint says. A primary without a standby phase does all of it at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import shutil
 import time
@@ -28,6 +27,7 @@ from streamkit.app.publishing import ShardPublisher
 from streamkit.app.shard import Shard, StoreFactory
 from streamkit.app.sources import SourceInput
 from streamkit.app.txn import TransactionFailed, TransactionLoop, queue_ack_intents
+from streamkit.app.waits import first_of
 from streamkit.app.watchdog import HookRecord, Watchdog
 from streamkit.client import BrokerClient, RegisterMismatch
 from streamkit.client.append_service import AppendService
@@ -373,11 +373,16 @@ class Replica:
                 store = self.store = self.app.new_store(shard, fs)
             cp = await store.restore_checkpoint(shard.id)
             phases.mark("store")
-        # Shards taking over together (a process's start or restart) start reading
-        # together: one that consumed early would slow the others' recovery on the
-        # same event loop and cores, and the process serves once all of them do.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(runtime.taking_over.zero(), TAKE_OVER_HOLD)
+        if standby is None:
+            # Shards taking over together (a process's start or restart) start reading
+            # together: one that consumed early would slow the others' recovery on the
+            # same event loop and cores, and the process serves once all of them do.
+            # (Not a promoted standby: a failover serves at once.)
+            await first_of([runtime.taking_over.zero(), self._stopping.wait()], TAKE_OVER_HOLD)
+            phases.mark("hold")
+        if self._stopping.is_set():  # stopped while taking over: nothing read, nothing to do
+            self._set_status(Code.IDLE)
+            return
         # Not waited for: the checkpoint's ACKs (the first transaction's publishes queue
         # behind them and its commit depends on them: `queue_ack_intents`), and below,
         # the recovered state's hints (pushed once its ops committed: `_write_hints`).

@@ -18,19 +18,25 @@ fails with FencedError. The row lock the update takes also orders a commit
 against a concurrent restore: whichever commits second sees the first.
 
 A committed view (a query beside the open transaction) is a read transaction
-on a connection of its own from the engine's pool, used on a thread of its own,
+on a connection of its own from the store's pool, used on a thread of its own,
 and begun (its snapshot taken) as the view opens: the database shows it only
 what was committed, and a commit is durable once the database committed it,
-so the view needs no waiting on the store's commits. It is REPEATABLE READ
-READ ONLY on PostgreSQL. On SQLite it needs the database in WAL mode (in the
-default rollback-journal mode a reader would block the writer's commit) and
-runs with `PRAGMA query_only`; pysqlite begins no transaction for reads, so the
-view issues its own BEGIN. Other databases, SQLite without WAL, and engines
-whose pool shares one connection (`StaticPool`, SingletonThreadPool: an
-in-memory database) have no view: their queries wait for the transaction.
-A store that makes its own engine from an SQLite URL puts the database in WAL
-mode (it stays so); one given an engine leaves the database's mode alone.
-At most VIEW_CONNECTIONS views of a store are open at once; more wait their turn.
+so the view needs no waiting on the store's commits. On PostgreSQL the view's
+session is REPEATABLE READ, READ ONLY (reset when the connection goes back to the
+pool). On SQLite it needs the database in WAL mode (in the default
+rollback-journal mode a reader would block the writer's commit) and runs with
+`PRAGMA query_only`; pysqlite begins no transaction for reads, so the view
+issues its own BEGIN. A query must not end the view's transaction: it would read
+on outside the view's snapshot.
+
+Only a store that makes its own engine (from a URL) has views: it sizes the pool
+for them (the writer's connection, one idle for views, up to VIEW_CONNECTIONS
+while views are open; at most that many are open at once, more wait their turn),
+and puts an SQLite database in WAL mode (it stays so). An engine given to the
+store is the caller's to size and may be shared by stores whose writers views
+must not starve, so there queries wait for the transaction; so they do on
+databases other than PostgreSQL and SQLite, SQLite outside WAL, and an in-memory
+database (its pool shares one connection).
 
 SQLAlchemy is synchronous, so all database work runs on one worker thread per
 store, through its one connection. One thread (rather than the default pool
@@ -57,7 +63,7 @@ from sqlalchemy.pool import AssertionPool, SingletonThreadPool, StaticPool
 from streamkit.client.append_service import OpFuture
 from streamkit.protocol import consumer_pb, pb
 from streamkit.stores.store import FencedError, OpenViews, Store, StoreError, context_set
-from streamkit.tasks import wait_finished
+from streamkit.tasks import finish, wait_finished
 
 __all__ = ["CHECKPOINTS", "SQLStore", "driver_problem"]
 
@@ -113,10 +119,17 @@ def driver_problem(url: str | sa.URL) -> str | None:
 
 
 def _create_engine(url: str) -> sa.Engine:
-    """An engine for `url`, failing with one line that says what to install if need be."""
+    """An engine for `url`, failing with one line that says what to install if need be.
+
+    Its pool keeps two connections (the writer's, and one for the next committed view)
+    and opens up to VIEW_CONNECTIONS - 1 more while views need them.
+    """
     if (problem := driver_problem(url)) is not None:
         raise StoreError(f"store.url {problem}")
-    return sa.create_engine(url)
+    try:
+        return sa.create_engine(url, pool_size=2, max_overflow=VIEW_CONNECTIONS - 1)
+    except TypeError:  # a pool without those sizes (an in-memory SQLite database's)
+        return sa.create_engine(url)
 
 
 class _View:
@@ -136,11 +149,15 @@ class _View:
         conn = self.store.engine.connect()
         try:
             if conn.dialect.name == "postgresql":
-                conn.exec_driver_sql(
-                    "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                # For the session: a query that ends the view's transaction reads on
+                # in another, read-only too (though no longer in the view's snapshot).
+                conn.exec_driver_sql("SET SESSION CHARACTERISTICS AS TRANSACTION"
+                                     " ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                conn.commit()
             else:  # SQLite in WAL mode
                 conn.exec_driver_sql("PRAGMA query_only = ON")
-                conn.exec_driver_sql("BEGIN")
+                if not conn.connection.driver_connection.in_transaction:  # type: ignore[union-attr]
+                    conn.exec_driver_sql("BEGIN")  # pysqlite begins none for reads
             conn.execute(sa.select(sa.func.count()).select_from(CHECKPOINTS)).one()
         except BaseException:
             conn.invalidate()  # whatever state it is in, it goes back to no one
@@ -155,14 +172,23 @@ class _View:
             return
         try:
             conn.rollback()
-            if conn.dialect.name != "postgresql":
-                conn.exec_driver_sql("PRAGMA query_only = OFF")  # pooled: writable again
-                conn.commit()
+            # Pooled: writable again, as the database's defaults have it.
+            if conn.dialect.name == "postgresql":
+                conn.exec_driver_sql("RESET default_transaction_isolation")
+                conn.exec_driver_sql("RESET default_transaction_read_only")
+            else:
+                conn.exec_driver_sql("PRAGMA query_only = OFF")
+            conn.commit()
         except Exception as error:  # not reusable: discard it
             log.info("%s: closing a committed view failed: %s", self.store.shard_fqn, error)
             conn.invalidate()
         finally:
             conn.close()
+
+    def connection(self) -> sa.Connection:
+        if self.conn is None:  # a task started in the view, outliving it
+            raise StoreError(f"shard {self.store.shard_fqn}: the committed view has ended")
+        return self.conn
 
     async def end(self) -> None:
         try:
@@ -217,7 +243,8 @@ class SQLStore(Store):
         `fn` gets the view's connection instead, on the view's thread.
         """
         if (view := self._view()) is not None:  # reads on while destroy waits for it
-            return await view.call(lambda: fn(view.conn, *args))
+            conn = view.connection()
+            return await view.call(fn, conn, *args)
         self._check_open()
         if self._commit_op is not None:
             await self._commit_op.wait()
@@ -232,8 +259,7 @@ class SQLStore(Store):
         concurrently with `run`. In a committed view it is the view's connection.
         """
         if (view := self._view()) is not None:
-            assert view.conn is not None
-            return view.conn
+            return view.connection()
         self._check_open()
         if self._commit_op is not None and not self._commit_op.done():
             raise StoreError("a commit is in flight: await store.run(...) instead")
@@ -258,7 +284,7 @@ class SQLStore(Store):
                     with context_set(_VIEW, view):
                         yield
                 finally:
-                    await asyncio.shield(view.end())
+                    await finish(view.end())  # then the slot and count (twice cancelled too)
 
     async def restore_checkpoint(self, shard_id: str) -> consumer_pb.Checkpoint:
         self._check_open()
@@ -366,7 +392,7 @@ class SQLStore(Store):
                     fence, data = conn.execute(
                         sa.select(CHECKPOINTS.c.fence, CHECKPOINTS.c.checkpoint).where(row_is)
                     ).one()
-                self._viewable = _has_views(conn)
+                    self._viewable = self._owns_engine and _has_views(conn)
                 return int(fence), bytes(data)
             except IntegrityError:
                 continue  # another instance inserted the row first: bump it instead
