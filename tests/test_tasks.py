@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from streamkit.tasks import Countdown, cancel_and_wait, wait_finished
+from streamkit.tasks import Countdown, cancel_and_wait, finish, wait_finished
 from tests.waiting import DEADLINE
 
 
@@ -149,3 +149,24 @@ async def test_a_cancelled_waiter_leaves_the_others_waiting() -> None:
         await asyncio.sleep(0.01)
         assert not second.done()
     await asyncio.wait_for(second, DEADLINE)
+
+
+async def test_finish_runs_a_clean_up_to_its_end_through_cancellations() -> None:
+    release, done = asyncio.Event(), []
+
+    async def clean_up() -> str:
+        await release.wait()
+        done.append(True)
+        return "closed"
+
+    caller = asyncio.ensure_future(finish(clean_up()))
+    for _ in range(2):  # cancelled twice while the clean-up runs
+        await asyncio.sleep(0.01)
+        caller.cancel()
+    await asyncio.sleep(0.01)
+    assert not caller.done()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert done == [True]
+    assert await finish(clean_up()) == "closed"  # not cancelled: its result
