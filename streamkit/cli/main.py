@@ -8,12 +8,12 @@ broker it starts should not pay for the others at every start.
 
 from __future__ import annotations
 
-import faulthandler
 import importlib
-import signal
 from collections.abc import Callable, Iterator, MutableMapping
 
 import click
+
+from streamkit.cli import stacks
 
 Loader = Callable[[], click.Command]
 
@@ -85,8 +85,7 @@ def cli() -> None:
 
 
 def main() -> None:
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack, to stderr
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    stacks.install()  # `kill -USR1 PID`: every thread's stack, to stderr
     cli(prog_name="streamkit")
 
 
