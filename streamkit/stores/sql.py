@@ -58,7 +58,6 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError, NoSuchModuleError
-from sqlalchemy.pool import AssertionPool, SingletonThreadPool, StaticPool
 
 from streamkit.client.append_service import OpFuture
 from streamkit.protocol import consumer_pb, pb
@@ -83,7 +82,6 @@ CHECKPOINTS = sa.Table(
 """The checkpoint table; portable DDL, created by the first restore if missing."""
 
 VIEW_CONNECTIONS = 4  # committed views of one store open at once (each a connection)
-_SHARED_POOLS = (StaticPool, SingletonThreadPool, AssertionPool)  # a view can't have its own
 
 _RESTORE_ATTEMPTS = 5  # a racing first restore of a new shard can lose its INSERT
 
@@ -141,8 +139,7 @@ class _View:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlstore-view")
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, functools.partial(fn, *args))
+        return await _on_thread(self._thread, fn, *args)
 
     def open(self) -> None:
         """Take a connection and begin the read transaction, its snapshot taken now."""
@@ -345,8 +342,7 @@ class SQLStore(Store):
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on the store's worker thread."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+        return await _on_thread(self._executor, fn, *args)
 
     def _connection(self) -> sa.Connection:
         if self._conn is None or self._conn.closed:
@@ -474,11 +470,16 @@ def _use_wal(conn: sa.Connection, shard_fqn: str) -> None:
         log.info("%s: SQLite database left in its journal mode: %s", shard_fqn, error)
 
 
+async def _on_thread(thread: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)`, run on `thread` (a store's or a view's, each keeping one connection)."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(thread, functools.partial(fn, *args))
+
+
 def _has_views(conn: sa.Connection) -> bool:
-    """Whether committed views can read beside this connection's transactions (see the
-    module doc)."""
-    if isinstance(conn.engine.pool, _SHARED_POOLS):
-        return False
+    """Whether committed views can read beside this connection's transactions, on an
+    engine the store made (see the module doc). An in-memory SQLite database, whose pool
+    shares one connection, reports journal_mode "memory"."""
     if conn.dialect.name == "postgresql":
         return True
     if conn.dialect.name == "sqlite":
