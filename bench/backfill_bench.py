@@ -20,6 +20,8 @@ Measured, each from a cold start of its process:
   missing; see streamkit.backfill.spark);
 * the same tasks without Spark: `streamkit backfill APP --processes N` (N: the
   machine's cores), until every shard is handed over;
+* the backfill handed to a Spark driver already up (`streamkit spark start
+  --master MASTER` beforehand, not timed): its first job, then a second one;
 * live catch-up: `streamkit run APP2` (a copy of the app under another name,
   so it starts from nothing) until every shard has processed every line, as
   bench/wordcount_bench.py measures it.
@@ -112,11 +114,12 @@ def _archive_options() -> list[str]:
     return _class_archive(f"{pyspark.__version__} {pyspark.__file__}", check_java())
 
 
-def run_backfill(app: Path, broker: BrokerProcess, engine: list[str], cds: bool
-                 ) -> tuple[float, str]:
+def run_backfill(app: Path, broker: BrokerProcess, engine: list[str], cds: bool,
+                 driver: Path) -> tuple[float, str]:
     command = [sys.executable, "-m", "streamkit.cli.main", "backfill", str(app), *engine,
                "--broker", broker.address, "--fragment-root", str(broker.data_dir / "fragments")]
-    env = {**os.environ, "STREAMKIT_SPARK_CDS": "1" if cds else "0"}
+    env = {**os.environ, "STREAMKIT_SPARK_CDS": "1" if cds else "0",
+           "STREAMKIT_SPARK_DRIVER": str(driver)}
     # Output goes to a file, not a pipe: the command is done when its process exits
     # (Spark's JVM, which shares the output, may take a moment longer to go).
     with tempfile.TemporaryFile("w+") as out:
@@ -129,6 +132,12 @@ def run_backfill(app: Path, broker: BrokerProcess, engine: list[str], cds: bool
     if proc.returncode != 0:
         raise RuntimeError(f"backfill failed ({proc.returncode}):\n{output[-3000:]}")
     return elapsed, output
+
+
+def spark_driver(action: str, socket: Path, *args: str) -> None:
+    """`streamkit spark ACTION` for the driver listening at `socket`."""
+    subprocess.run([sys.executable, "-m", "streamkit.cli.main", "spark", action, *args],
+                   env={**os.environ, "STREAMKIT_SPARK_DRIVER": str(socket)}, check=True)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -179,9 +188,15 @@ async def bench(broker: BrokerProcess, tmp: Path, args: argparse.Namespace) -> d
     await asyncio.to_thread(ensure_class_archive, args.master)
     spark = ["--spark", "--master", args.master]
     local = ["--processes", str(os.cpu_count() or 2)]
+    driver = tmp / "driver" / "spark.sock"
     for name, engine, cds in (("backfill_without_class_archive", spark, False),
-                              ("backfill", spark, True), ("backfill_local_processes", local, True)):
-        elapsed, output = await asyncio.to_thread(run_backfill, backfilled, broker, engine, cds)
+                              ("backfill", spark, True), ("backfill_local_processes", local, True),
+                              ("backfill_driver_first_job", ["--spark"], True),
+                              ("backfill_driver", ["--spark"], True)):
+        if name == "backfill_driver_first_job":
+            await asyncio.to_thread(spark_driver, "start", driver, "--master", args.master)
+        elapsed, output = await asyncio.to_thread(run_backfill, backfilled, broker, engine, cds,
+                                                  driver)
         print(output, file=sys.stderr)
         run: dict[str, Any] = {"s": round(elapsed, 2), "lines_per_s": round(args.lines / elapsed),
                                "task_lines_per_s": task_rate(output)}
@@ -194,6 +209,7 @@ async def bench(broker: BrokerProcess, tmp: Path, args: argparse.Namespace) -> d
         if handed != wanted:
             raise RuntimeError(f"the backfill read through {handed}, expected {wanted}")
         results[name] = run
+    await asyncio.to_thread(spark_driver, "stop", driver)
     results["backfill_s"] = results["backfill"]["s"]
     results["backfill_lines_per_s"] = results["backfill"]["lines_per_s"]
     if not args.skip_live:
@@ -203,6 +219,8 @@ async def bench(broker: BrokerProcess, tmp: Path, args: argparse.Namespace) -> d
         results["live_cpu_s"] = {"member": round(member_cpu, 2), "broker": round(broker_cpu, 2)}
         results["speedup"] = round(results["backfill_lines_per_s"]
                                    / results["live_lines_per_s"], 2)
+        results["speedup_driver"] = round(
+            results["backfill_driver"]["lines_per_s"] / results["live_lines_per_s"], 2)
         results["speedup_local_processes"] = round(
             results["backfill_local_processes"]["lines_per_s"] / results["live_lines_per_s"], 2)
         task = results["backfill"]["task_lines_per_s"]

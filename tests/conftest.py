@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,10 @@ from tests.s3server import aws_env, s3_endpoint, s3_url  # noqa: F401 (shared fi
 # Every response a streamkit client channel receives is checked against Gazette's protocol
 # rules (streamkit.protocol.conformance), here and in the processes the tests start.
 os.environ.setdefault("STREAMKIT_CHECK_RESPONSES", "1")
+# `backfill --spark` hands its job to a running `streamkit spark start` driver: never to one
+# of the developer's (tests that want one start their own, at a socket of their own).
+os.environ["STREAMKIT_SPARK_DRIVER"] = str(
+    Path(tempfile.gettempdir(), f"streamkit-tests-{os.getpid()}", "no-driver.sock"))
 
 # --- randomness that can be replayed --------------------------------------------------------
 

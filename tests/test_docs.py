@@ -47,9 +47,11 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import urllib.request
@@ -65,6 +67,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from streamkit.app.config import AppConfig, StoreConfig, TopicConfig, TransactionsConfig
+from streamkit.backfill.driver_link import find_driver
 from streamkit.cli.main import cli
 from streamkit.protocol.durations import format_duration
 from tests.brokerproc import free_port, wait_for_port
@@ -306,6 +309,10 @@ class Session:
         env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMKIT_")}
         env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
         env["STREAMKIT_BROKER"] = f"127.0.0.1:{self.port}"
+        # `streamkit spark start`: a driver of the page's own (a short path: a socket's is
+        # at most 107 bytes), stopped when the page ends even if it failed half-way
+        self.spark_driver = Path(tempfile.mkdtemp(prefix="skdocs-")) / "driver.sock"
+        env["STREAMKIT_SPARK_DRIVER"] = str(self.spark_driver)
         env.pop("PYTEST_ADDOPTS", None)
         self.env = env
         self.app: subprocess.Popen[bytes] | None = None  # the `streamkit run` in progress
@@ -588,6 +595,10 @@ class Session:
         self.jobs = []
 
     def close(self) -> None:
+        driver = find_driver(self.spark_driver)
+        if driver is not None:
+            os.kill(int(driver.status()["pid"]), signal.SIGKILL)
+        shutil.rmtree(self.spark_driver.parent, ignore_errors=True)
         for job in reversed(self.jobs):  # a page that failed half-way
             if job.proc.poll() is None:
                 job.proc.send_signal(signal.SIGCONT)

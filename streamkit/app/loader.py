@@ -12,6 +12,7 @@ their own module even when the names clash (every template app has an
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import traceback
 import types
@@ -20,7 +21,7 @@ from pathlib import Path
 from streamkit.app.application import Application
 from streamkit.protocol.problems import Problem, SpecError
 
-__all__ = ["ApplicationLoadError", "import_application"]
+__all__ = ["ApplicationLoadError", "forget_app_modules", "import_application"]
 
 # The field of streamkit.yaml every problem here is about.
 _FIELD = "application"
@@ -67,6 +68,18 @@ def path_without_app_folders() -> list[str]:
     """`sys.path` without the app folders loading apps put there: what a process started
     afresh to run one app needs, without other apps' modules shadowing anything."""
     return [p for p in sys.path if p not in _app_folders]
+
+
+def forget_app_modules(folder: Path) -> None:
+    """Forget every module imported from `folder`: the next load reads the app as its
+    files are now. A process that runs task after task (Spark's reused Python workers,
+    under a driver kept up between backfills) would otherwise go on running the app as
+    it was when its first task imported it, sibling modules included."""
+    prefix = str(folder.resolve()) + os.sep
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str) and path.startswith(prefix):
+            del sys.modules[name]
 
 
 def _file_of(module: types.ModuleType) -> str:

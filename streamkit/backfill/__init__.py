@@ -2,8 +2,10 @@
 
 `plan` lists what each shard reads; `task` runs one shard (plain Python, the
 Spark task's body); `handover` makes the result the shard's state in its
-recovery log; `spark` drives it all on a Spark cluster or in local mode.
-PySpark is imported by `spark` only, and only when a backfill runs there.
+recovery log; `spark` drives it all on a Spark cluster or in local mode;
+`driver` keeps a SparkContext up between backfills, and `driver_link` is
+how a command hands it a plan. PySpark is imported by `spark` only (and by
+`driver`, through it), and only when a backfill runs there.
 
 The names below are imported on first use (PEP 562), so that a module of
 this package (`daemon`, which Spark starts as a process) costs only itself.

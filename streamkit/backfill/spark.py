@@ -267,13 +267,13 @@ def _unpacked(shipped: str) -> str:
     return str(target)
 
 
-def _report_progress(sc: SparkContext, shards: int, started: float,
+def _report_progress(sc: SparkContext, group: str, shards: int, started: float,
                      progress: Callable[[SparkProgress], None], stop: threading.Event) -> None:
     tracker = sc.statusTracker()
     last = None
     while not stop.wait(0.5):
         done = running = failed = 0
-        for job_id in tracker.getJobIdsForGroup(JOB_GROUP):
+        for job_id in tracker.getJobIdsForGroup(group):
             job = tracker.getJobInfo(job_id)
             for stage_id in job.stageIds if job else []:
                 stage = tracker.getStageInfo(stage_id)
@@ -313,14 +313,18 @@ def run_on_spark(
     sc: SparkContext | None = None,
     progress: Callable[[SparkProgress], None] | None = None,
     ship_app: bool | None = None,
+    job_group: str | None = None,
 ) -> list[dict[str, Any]]:
     """Backfill every shard of `plan` on Spark; the shards' results (ShardResult dicts).
 
     With `sc` the job runs on that SparkContext (left running); otherwise one
     is started for `master` and stopped afterwards. The app folder is
-    shipped to the executors (`ship_app`) unless the master is local.
+    shipped to the executors (`ship_app`) unless the master is local. The
+    job runs in Spark's `job_group` (default: one of its own), which
+    `sc.cancelJobGroup` cancels from another thread.
     """
     own = sc is None
+    group = job_group or f"{JOB_GROUP}-{uuid.uuid4().hex[:12]}"
     context = sc if sc is not None else spark_context(master)
     shipped = None
     zipped: Path | None = None
@@ -334,12 +338,12 @@ def run_on_spark(
     if progress is not None:
         reporter = threading.Thread(
             target=_report_progress,
-            args=(context, len(plan.shards), started, progress, stop),
+            args=(context, group, len(plan.shards), started, progress, stop),
             daemon=True,
         )
         reporter.start()
     try:
-        context.setJobGroup(JOB_GROUP, f"backfill of {len(plan.shards)} shard(s)")
+        context.setJobGroup(group, f"backfill of {len(plan.shards)} shard(s)")
         order = largest_first(plan)
         indexes = context.parallelize(order, max(len(order), 1))
         ran = dict(zip(order, indexes.map(_executor_task(plan, shipped)).collect(), strict=True))

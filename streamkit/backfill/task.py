@@ -51,6 +51,7 @@ from streamkit.app.application import Application, batch_hook
 from streamkit.app.checkpoints import build_checkpoint, producer_states, start_offsets
 from streamkit.app.config import AppConfig
 from streamkit.app.gc_tuning import tune_for_throughput
+from streamkit.app.loader import forget_app_modules
 from streamkit.app.publishing import ShardPublisher
 from streamkit.app.shard import Shard
 from streamkit.app.store_kinds import build_store, records_to_log
@@ -444,6 +445,7 @@ def run_shard_task(plan: BackfillPlan, index: int, app_dir: str | None = None) -
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tune_for_throughput()
     shard_id = plan.shards[index].shard_id
+    forget_app_modules(Path(app_dir or plan.app_dir))  # this worker may have run it before
     try:
         result = asyncio.run(run_shard(plan, index, app_dir=Path(app_dir) if app_dir else None))
     except BackfillError as error:

@@ -20,9 +20,9 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -43,6 +43,9 @@ from streamkit.keyspace import open_keyspace
 from streamkit.keyspace.keyspace import KeySpace
 from streamkit.protocol import consumer_pb
 from streamkit.tasks import wait_finished
+
+if TYPE_CHECKING:
+    from streamkit.backfill.driver_link import DriverLink
 
 __all__ = ["backfill"]
 
@@ -143,10 +146,11 @@ def _progress_printer() -> Any:
 @click.option("--plan", "plan_only", is_flag=True,
               help="Print the plan (shards, journals, offsets, fragments) and stop.")
 @click.option("--json", "as_json", is_flag=True, help="With --plan: the plan as JSON.")
-@click.option("--master", default="local[*]", show_default=True,
-              help="Spark master: local[*], local[N], or a cluster's URL.")
+@click.option("--master", default=None,
+              help="Spark master: local[*], local[N], or a cluster's URL [default: the "
+                   "running driver's (`streamkit spark start`), else local[*]].")
 @click.option("--spark-conf", multiple=True, metavar="KEY=VALUE",
-              help="Extra Spark configuration (repeatable).")
+              help="Extra Spark configuration (repeatable; starts a Spark of its own).")
 @click.option("--broker", default=None, metavar="HOST:PORT",
               help="The broker serving the app's journals (default: the app's bundled one).")
 @click.option("--port", type=click.IntRange(1, 65534), default=DEFAULT_BROKER_PORT,
@@ -170,15 +174,18 @@ def _progress_printer() -> Any:
 @security_options(dials=True)
 @async_command()
 async def backfill(app_dir: Path, use_spark: bool, processes: int | None, plan_only: bool,
-                   as_json: bool, master: str,
+                   as_json: bool, master: str | None,
                    spark_conf: tuple[str, ...], broker: str | None, port: int,
                    keyspace: str | None, fragment_root: Path | None, ends: tuple[str, ...],
                    store: str | None, shards: int | None, txn_size: int | None,
                    log_level: str, security: Security) -> None:
     """Recompute APP_DIR's state (default: the current folder) from its journals' history.
 
-    The security options dial the broker, from here and from Spark's executors (which get
-    the keys and the certificate paths with the plan).
+    With --spark, the job goes to the Spark driver `streamkit spark start` keeps up, if one
+    runs (and neither --master nor --spark-conf is given); otherwise this command starts
+    Spark for the backfill and stops it after. The security options dial the broker, from
+    here and from Spark's executors (which get the keys and the certificate paths with the
+    plan).
     """
     from streamkit.backfill.errors import BackfillError
     from streamkit.backfill.plan import make_plan, parse_ends, security_data
@@ -193,6 +200,8 @@ async def backfill(app_dir: Path, use_spark: bool, processes: int | None, plan_o
                        "--processes N (or --plan to see what it would read)", DATA_ERROR)
     started = time.monotonic()
     spark: asyncio.Future[Any] | None = None
+    driver = _running_driver(use_spark and not plan_only and master is None and not spark_conf)
+    master = master or (driver.master if driver else "local[*]")
     try:
         conf = dict(_key_value(item) for item in spark_conf)
         end_offsets = parse_ends(ends)
@@ -206,8 +215,9 @@ async def backfill(app_dir: Path, use_spark: bool, processes: int | None, plan_o
         ):
             layout = await read_layout(ks, config.keyspace_root)
             resharding = _resharding(config, layout, shards)
-            if use_spark and not plan_only:  # started while the plan is made
+            if use_spark and not plan_only:
                 _warn_local_only(master, address, keyspace_url)
+            if use_spark and not plan_only and driver is None:  # started while planning
                 spark = asyncio.ensure_future(asyncio.to_thread(_start_spark, master, conf))
             resharded: Layout | None = None
             retired: list[str] = []
@@ -243,8 +253,11 @@ async def backfill(app_dir: Path, use_spark: bool, processes: int | None, plan_o
             _echo_plan(plan.summary())
             try:
                 ran = time.monotonic()
-                results = await asyncio.to_thread(
-                    _run_spark if sc is not None else _run_locally, plan, sc or processes)
+                if driver is not None:
+                    results = await _run_on_driver(driver.link, plan)
+                else:
+                    results = await asyncio.to_thread(
+                        _run_spark if sc is not None else _run_locally, plan, sc or processes)
                 ran = time.monotonic() - ran
             except BackfillError as error:
                 raise CliError(f"{error}\n(shards handed over before this failure keep "
@@ -264,8 +277,9 @@ async def backfill(app_dir: Path, use_spark: bool, processes: int | None, plan_o
         if restarted:
             click.echo(f"restarted {plural(len(restarted), 'running shard')} on the backfilled "
                        "state (their primaries were fenced)", err=True)
-        engine = (f"Spark start {spark_seconds:.1f}s" if processes is None
-                  else f"{processes} local process{'es' if processes > 1 else ''}")
+        engine = (f"{processes} local process{'es' if processes > 1 else ''}" if processes
+                  else f"Spark driver pid {driver.pid}" if driver
+                  else f"Spark start {spark_seconds:.1f}s")
         click.echo(f"backfill took {time.monotonic() - started:.1f}s ({engine}, shards "
                    f"{ran:.1f}s)", err=True)
     except BackfillError as error:
@@ -333,6 +347,39 @@ def _key_value(item: str) -> tuple[str, str]:
     if not sep or not key:
         raise CliError(f"--spark-conf {item!r}: expected KEY=VALUE", DATA_ERROR)
     return key, value
+
+
+@dataclass(frozen=True)
+class _Driver:
+    """The running Spark driver a backfill hands its job to."""
+
+    link: DriverLink
+    master: str
+    pid: int
+
+
+def _running_driver(wanted: bool) -> _Driver | None:
+    """The driver of `streamkit spark start`, if `wanted` and one runs."""
+    if not wanted:
+        return None
+    from streamkit.backfill.driver_link import find_driver
+
+    link = find_driver()
+    if link is None:
+        return None
+    status = link.status()  # waits while the driver's Spark is still starting
+    click.echo(f"using the Spark driver at {link.path} ({status['master']}, pid "
+               f"{status['pid']})", err=True)
+    return _Driver(link, str(status["master"]), int(status["pid"]))
+
+
+async def _run_on_driver(link: DriverLink, plan: Any) -> list[dict[str, Any]]:
+    """The plan run by the driver; cancelled here, its job is cancelled there."""
+    try:
+        return await asyncio.to_thread(link.backfill, plan, _progress_printer())
+    except asyncio.CancelledError:
+        link.cancel()
+        raise
 
 
 def _start_spark(master: str, conf: dict[str, str]) -> tuple[Any, float]:

@@ -75,6 +75,7 @@ COMMANDS = LazyCommands({
     "run": _attr("streamkit.cli.run:run"),
     "serve": _attr("streamkit.cli.run:serve"),
     "shards": _shards,
+    "spark": _attr("streamkit.cli.spark:spark"),
 })
 
 
