@@ -20,6 +20,11 @@ from streamkit.client import BrokerClient, apply_journals
 from streamkit.protocol import pb
 from streamkit.recoverylog import CONTENT_TYPE
 from tests.brokerproc import BrokerProcess
+from tests.bytecode import compile_bytecode
+
+# The processes a benchmark starts import streamkit from bytecode, as an installed
+# streamkit does (see tests/bytecode.py).
+compile_bytecode()
 
 T = TypeVar("T")
 

@@ -13,12 +13,15 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from tests.brokerproc import BrokerProcess
+from tests.bytecode import compile_bytecode
 from tests.postgres import postgres_url  # noqa: F401
 from tests.s3server import aws_env, s3_endpoint, s3_url  # noqa: F401 (shared fixtures)
 
 # Every response a streamkit client channel receives is checked against Gazette's protocol
 # rules (streamkit.protocol.conformance), here and in the processes the tests start.
 os.environ.setdefault("STREAMKIT_CHECK_RESPONSES", "1")
+compile_bytecode()  # for the processes tests start (see tests/bytecode.py)
+
 # `backfill --spark` hands its job to a running `streamkit spark start` driver: never to one
 # of the developer's (tests that want one start their own, at a socket of their own).
 os.environ["STREAMKIT_SPARK_DRIVER"] = str(
