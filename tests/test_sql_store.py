@@ -496,11 +496,57 @@ async def test_no_view_on_a_given_engine_or_a_shared_connection(tmp_path: Path) 
     engine = sa.create_engine(url)
     with engine.connect() as conn:
         conn.exec_driver_sql("PRAGMA journal_mode=WAL")
-    for store in (SQLStore(engine, "test/shard"), SQLStore("sqlite://", "test/shard")):
+    for store in (SQLStore(engine, "test/shard"), SQLStore("sqlite://", "test/shard"),
+                  SQLStore(url, "test/shard", views=0)):
         await store.restore_checkpoint("test/shard")
         assert store.committed_view() is None
         await store.destroy()
     engine.dispose()
+
+
+async def test_views_on_a_given_engine_when_asked(viewable_url, shard, table):
+    """`views=N` on a given engine: the caller vouches for its pool, which must have room
+    for the writer's connection and N views'; then queries read committed views there,
+    at most N at once."""
+    from sqlalchemy.pool import StaticPool
+
+    from tests.waiting import LIVENESS  # (this file also runs as a script, without `tests`)
+
+    engine = sa.create_engine(viewable_url, pool_size=1, max_overflow=2)
+    store = SQLStore(engine, shard, views=2)
+    try:
+        await store.restore_checkpoint(shard)
+        await (await commit_txn(store, table, 1))
+        await store.run(insert_row, table, 2)  # the open transaction
+        most = 0
+
+        async def query() -> list[int]:
+            nonlocal most
+            async with store.committed_view():  # type: ignore[union-attr]
+                most = max(most, store._views.count)
+                rows = await store.run(rows_of, table)
+                await asyncio.sleep(0.05)
+                return rows
+
+        answers = await asyncio.wait_for(asyncio.gather(*(query() for _ in range(5))), LIVENESS)
+        assert answers == [[1]] * 5 and most == 2
+        await (await store.start_commit(shard, checkpoint_at(2), []))
+        assert read_committed(viewable_url, shard, table).rows == [1, 2]
+    finally:
+        await store.destroy()
+        engine.dispose()
+    small = sa.create_engine(viewable_url, pool_size=1, max_overflow=1)
+    with pytest.raises(StoreError, match="holds at most 2 connections, and the store needs 3"):
+        SQLStore(small, shard, views=2)
+    SQLStore(small, shard, views=1)  # room enough (not opened: nothing to destroy)
+    small.dispose()
+    if viewable_url.startswith("sqlite"):
+        shared = sa.create_engine(viewable_url, poolclass=StaticPool)
+        with pytest.raises(StoreError, match="StaticPool shares one connection"):
+            SQLStore(shared, shard, views=1)
+        shared.dispose()
+    with pytest.raises(StoreError, match="a count of committed views"):
+        SQLStore(viewable_url, shard, views=-1)
 
 
 async def test_a_query_ending_its_view_transaction_still_cannot_write(

@@ -29,14 +29,16 @@ rollback-journal mode a reader would block the writer's commit) and runs with
 issues its own BEGIN. A query must not end the view's transaction: it would read
 on outside the view's snapshot.
 
-Only a store that makes its own engine (from a URL) has views: it sizes the pool
+A store that makes its own engine (from a URL) has views: it sizes the pool
 for them (the writer's connection, one idle for views, up to VIEW_CONNECTIONS
 while views are open; at most that many are open at once, more wait their turn),
 and puts an SQLite database in WAL mode (it stays so). An engine given to the
 store is the caller's to size and may be shared by stores whose writers views
-must not starve, so there queries wait for the transaction; so they do on
-databases other than PostgreSQL and SQLite, SQLite outside WAL, and an in-memory
-database (its pool shares one connection).
+must not starve, so it has views only when the caller opts in with `views=N`
+(its pool must have room for N connections beside the writer's; an SQLite
+database must already be in WAL). Elsewhere queries wait for the transaction:
+on databases other than PostgreSQL and SQLite, SQLite outside WAL, an
+in-memory database (its pool shares one connection), and with `views=0`.
 
 SQLAlchemy is synchronous, so all database work runs on one worker thread per
 store, through its one connection. One thread (rather than the default pool
@@ -116,18 +118,38 @@ def driver_problem(url: str | sa.URL) -> str | None:
     return None
 
 
-def _create_engine(url: str) -> sa.Engine:
+def _create_engine(url: str, views: int) -> sa.Engine:
     """An engine for `url`, failing with one line that says what to install if need be.
 
     Its pool keeps two connections (the writer's, and one for the next committed view)
-    and opens up to VIEW_CONNECTIONS - 1 more while views need them.
+    and opens up to `views` - 1 more while views need them.
     """
     if (problem := driver_problem(url)) is not None:
         raise StoreError(f"store.url {problem}")
     try:
-        return sa.create_engine(url, pool_size=2, max_overflow=VIEW_CONNECTIONS - 1)
+        return sa.create_engine(url, pool_size=2 if views else 1,
+                                max_overflow=max(views - 1, 0))
     except TypeError:  # a pool without those sizes (an in-memory SQLite database's)
         return sa.create_engine(url)
+
+
+def _check_pool(engine: sa.Engine, views: int) -> None:
+    """Refuse `views` on a given engine whose pool can't give each view a connection of
+    its own beside the writer's: views would share the writer's, or wait for the pool's
+    timeout and fail."""
+    if not views:
+        return
+    pool = engine.pool
+    if isinstance(pool, sa.pool.StaticPool | sa.pool.SingletonThreadPool
+                  | sa.pool.AssertionPool):
+        raise StoreError(f"views={views}: the engine's {type(pool).__name__} shares one "
+                         "connection, and each view needs its own (use a QueuePool or NullPool)")
+    overflow = getattr(pool, "_max_overflow", -1)  # a QueuePool's; -1: no limit
+    if isinstance(pool, sa.pool.QueuePool) and 0 <= overflow < views + 1 - pool.size():
+        raise StoreError(f"views={views}: the engine's pool holds at most "
+                         f"{pool.size() + overflow} connections, and the store needs "
+                         f"{views + 1} (its writer's and one per view): raise its pool_size "
+                         "or max_overflow, or lower views")
 
 
 class _View:
@@ -203,12 +225,26 @@ class SQLStore(Store):
     `engine` is an Engine, which the store borrows and does not dispose, or a
     URL, from which it makes (and later disposes) an engine of its own.
     `shard_fqn` keys the shard's checkpoint row; make it unique across every
-    consumer application sharing the database.
+    consumer application sharing the database. `views`: how many committed
+    views (queries beside the open transaction) may be open at once, each on
+    a connection of its own; default VIEW_CONNECTIONS for a URL, 0 for a given
+    engine (whose pool the caller sizes: see the module doc).
     """
 
-    def __init__(self, engine: sa.Engine | str, shard_fqn: str) -> None:
+    def __init__(self, engine: sa.Engine | str, shard_fqn: str, *,
+                 views: int | None = None) -> None:
         self._owns_engine = isinstance(engine, str)
-        self._engine = _create_engine(engine) if isinstance(engine, str) else engine
+        if views is None:
+            views = VIEW_CONNECTIONS if self._owns_engine else 0
+        if views < 0:
+            raise StoreError(f"views={views}: a count of committed views, 0 or more")
+        if self._owns_engine:
+            self._engine = _create_engine(str(engine), views)
+        else:
+            assert isinstance(engine, sa.Engine)
+            _check_pool(engine, views)
+            self._engine = engine
+        self._view_count = views
         self.shard_fqn = shard_fqn
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlstore")
         self._conn: sa.Connection | None = None
@@ -219,7 +255,7 @@ class SQLStore(Store):
         self._table_ready = False
         self._viewable = False  # whether committed views work here (known after a restore)
         self._views = OpenViews()
-        self._view_slots = asyncio.Semaphore(VIEW_CONNECTIONS)
+        self._view_slots = asyncio.Semaphore(max(views, 1))
 
     @property
     def engine(self) -> sa.Engine:
@@ -388,7 +424,11 @@ class SQLStore(Store):
                     fence, data = conn.execute(
                         sa.select(CHECKPOINTS.c.fence, CHECKPOINTS.c.checkpoint).where(row_is)
                     ).one()
-                    self._viewable = self._owns_engine and _has_views(conn)
+                    self._viewable = self._view_count > 0 and _has_views(conn)
+                if self._view_count and not self._viewable and not self._owns_engine:
+                    log.warning("%s: views=%d, but %s can't have committed views (SQLite "
+                                "needs WAL mode): queries wait for the transaction",
+                                self.shard_fqn, self._view_count, conn.dialect.name)
                 return int(fence), bytes(data)
             except IntegrityError:
                 continue  # another instance inserted the row first: bump it instead
