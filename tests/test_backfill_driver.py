@@ -48,6 +48,9 @@ WordCount.consume_messages = _checked
 """
 
 
+SLEEPING = "import time\n\n\ndef check():\n    time.sleep(120)\n"  # a task that hangs
+
+
 @pytest.fixture
 def socket_path() -> Iterator[Path]:
     """A driver socket of the test's own (short: a socket path has at most 107 bytes);
@@ -68,6 +71,14 @@ def _streamkit(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "streamkit.cli.main", *args],
                           capture_output=True, text=True, timeout=240,
                           env={**os.environ, "STREAMKIT_SPARK_DRIVER": str(path)})
+
+
+def _start_backfill(path: Path, app: Path, where: list[str]) -> subprocess.Popen[str]:
+    """`streamkit backfill APP --spark` on the driver at `path`, in the background."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "streamkit.cli.main", "backfill", str(app), "--spark", *where],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "STREAMKIT_SPARK_DRIVER": str(path)})
 
 
 def _counted(output: str) -> int:
@@ -115,11 +126,8 @@ async def test_backfills_run_on_a_driver_kept_up(broker_proc: BrokerProcess, tmp
 
     # A backfill whose command goes away is cancelled; the driver serves on.
     link = DriverLink(socket_path)
-    (app / "tweak.py").write_text("import time\n\ndef check():\n    time.sleep(120)\n")
-    stuck = subprocess.Popen(
-        [sys.executable, "-m", "streamkit.cli.main", "backfill", str(app), "--spark", *where],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, "STREAMKIT_SPARK_DRIVER": str(socket_path)})
+    (app / "tweak.py").write_text(SLEEPING)
+    stuck = _start_backfill(socket_path, app, where)
     try:
         await eventually(lambda: bool(link.status()["running"]), timeout=60,
                          what="the backfill to run on the driver")
@@ -148,9 +156,18 @@ async def test_backfills_run_on_a_driver_kept_up(broker_proc: BrokerProcess, tmp
     assert own.returncode == 0, own.stderr
     assert "using the Spark driver" not in own.stderr and "Spark start" in own.stderr
 
+    # Stopping the driver cancels the backfill running there, whose command says so.
+    (app / "tweak.py").write_text(SLEEPING)
+    running = _start_backfill(socket_path, app, where)
+    await eventually(lambda: bool(link.status()["running"]), timeout=60,
+                     what="the backfill to run on the driver")
     stopped = await asyncio.to_thread(_streamkit, socket_path, "spark", "stop")
     assert stopped.returncode == 0 and "stopped the Spark driver" in stopped.stderr
+    _, said = await asyncio.to_thread(running.communicate, timeout=60)
+    assert running.returncode == 1, said
+    assert "the Spark driver was stopped while the backfill ran" in said
     assert not socket_path.exists() and find_driver(socket_path) is None
+    (app / "tweak.py").write_text("def check():\n    pass\n")
     without = await asyncio.to_thread(backfill)  # no driver: Spark of its own
     assert without.returncode == 0 and "using the Spark driver" not in without.stderr
 

@@ -42,6 +42,9 @@ __all__ = ["Driver", "main"]
 
 log = logging.getLogger("streamkit.spark.driver")
 _HEALTH_EVERY = 5.0  # seconds between checks that Spark still runs
+_ANSWER_CANCELLED = 10.0  # seconds a stopping driver waits for cancelled jobs to answer
+_STOPPED = ("the Spark driver was stopped while the backfill ran (shards handed over "
+            "before keep their backfilled state)")
 
 
 class Driver:
@@ -87,7 +90,11 @@ class Driver:
             self.sc.cancelJobGroup(group)
 
     def close(self) -> None:
+        """Stop Spark, once the cancelled jobs told their commands why (or soon after)."""
         self.path.unlink(missing_ok=True)
+        deadline = time.monotonic() + _ANSWER_CANCELLED
+        while self._jobs and time.monotonic() < deadline:
+            time.sleep(0.05)
         self.sc.stop()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -147,16 +154,19 @@ class Driver:
             answer: dict[str, Any] = {"ok": ("result", results)}
         except BackfillError as error:
             answer = {"error": str(error)}
-        except Exception as error:  # Spark's own failure
-            answer = {"error": _first_lines(f"Spark failed the backfill: {error}")}
+        except Exception as error:  # Spark's own failure, or our stop's cancel
+            answer = {"error": _STOPPED if self.stopping.is_set()
+                      else _first_lines(f"Spark failed the backfill: {error}")}
         finally:
             finished.set()
+        log.warning("backfill %s: %s", group, "done" if "ok" in answer else answer["error"])
+        try:
+            with sending:
+                send(conn, answer)
+        finally:  # answered: a stopping driver may now stop Spark
             with self._lock:
                 del self._jobs[group]
                 self._done += 1
-        log.warning("backfill %s: %s", group, "done" if "ok" in answer else answer["error"])
-        with sending:
-            send(conn, answer)
 
     def _cancel_when_gone(self, conn: socket.socket, group: str,
                           finished: threading.Event) -> None:
