@@ -54,16 +54,15 @@ SLEEPING = "import time\n\n\ndef check():\n    time.sleep(120)\n"  # a task that
 @pytest.fixture
 def socket_path() -> Iterator[Path]:
     """A driver socket of the test's own (short: a socket path has at most 107 bytes);
-    whatever driver listens there is stopped afterwards."""
+    any driver started for it is killed afterwards (its JVM ends with it), listening
+    yet or not."""
     folder = Path(tempfile.mkdtemp(prefix="skd-"))
     path = folder / "spark.sock"
     try:
         yield path
     finally:
-        link = find_driver(path)
-        if link is not None:
-            pid = int(link.status()["pid"])
-            os.kill(pid, signal.SIGKILL)
+        subprocess.run(["pkill", "-KILL", "-f", f"streamkit.backfill.driver --socket {path}"],
+                       check=False)
         shutil.rmtree(folder, ignore_errors=True)
 
 

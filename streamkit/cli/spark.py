@@ -54,7 +54,11 @@ def start(master: str, spark_conf: tuple[str, ...]) -> None:
             proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                     start_new_session=True)  # outlives this command
         click.echo(f"starting Spark ({master})...", err=True)
-        status = _wait_up(proc, path, log)
+        try:
+            status = _wait_up(proc, path, log)
+        except BaseException:  # failed, timed out or interrupted: no driver left behind
+            proc.terminate()
+            raise
         click.echo(f"Spark driver up (pid {status['pid']}, {status['master']}, Spark "
                    f"{status['spark']}) at {path}; log: {log}", err=True)
         click.echo("`streamkit backfill APP --spark` now runs its jobs there; "
@@ -78,7 +82,6 @@ def _wait_up(proc: subprocess.Popen[bytes], path: Path, log: Path) -> dict[str, 
             except BackfillError:  # not listening yet
                 pass
         time.sleep(0.1)
-    proc.terminate()
     raise CliError(f"Spark did not start within {_START_TIMEOUT:.0f}s; see {log}")
 
 
