@@ -203,10 +203,9 @@ def test_socket_folder_must_be_private(tmp_path: Path) -> None:
     private_folder(folder / "spark.sock", create=False)
 
 
-def test_bad_start_options_are_named(tmp_path: Path) -> None:
-    bad = _streamkit(tmp_path / "d" / "spark.sock", "spark", "start", "--spark-conf", "nokey")
+def test_bad_start_options_are_named(socket_path: Path) -> None:
+    bad = _streamkit(socket_path, "spark", "start", "--spark-conf", "nokey")
     assert bad.returncode == 2 and "expected KEY=VALUE" in bad.stderr, bad.stderr
-    failing = _streamkit(Path(tempfile.mkdtemp(prefix="skd-")) / "spark.sock", "spark",
-                         "start", "--master", "nonsense://nowhere")
+    failing = _streamkit(socket_path, "spark", "start", "--master", "nonsense://nowhere")
     assert failing.returncode == 1, failing.stderr
     assert "exited" in failing.stderr and "Traceback" not in failing.stderr.split("\n")[0]
