@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 import textwrap
 from datetime import timedelta
 from pathlib import Path
@@ -18,6 +19,7 @@ from streamkit.app.config import (
     ConfigError,
     load_config,
 )
+from streamkit.app.loader import forget_app_modules
 from streamkit.message.framing import content_type_of
 from streamkit.message.mapping import fnv1a32
 from streamkit.protocol.problems import SpecError
@@ -432,6 +434,33 @@ def test_load_application(tmp_path: Path) -> None:
     config_two = load_config(write_app(tmp_path / "two", app_py=other))
     assert config_two.load_application().store == "sqlite"
     assert config.load_application().store == "json"  # and back
+
+
+def test_forgotten_app_modules_are_read_again(tmp_path: Path) -> None:
+    """What a backfill task does first in a reused worker: the app's modules, and those
+    of an earlier copy of it in another folder, are read again from the files."""
+    app_py = APP_PY + "\nimport helper\n\nWordCount.store = helper.STORE\n"
+    one = load_config(write_app(tmp_path / "one", app_py=app_py))
+    (one.app_dir / "helper.py").write_text('STORE = "json"\n')
+    assert one.load_application().store == "json"
+    (one.app_dir / "helper.py").write_text('STORE = "sqlite"  # edited\n')
+    assert one.load_application().store == "json"  # a loaded module stays as it was
+    forget_app_modules(one.app_dir)
+    assert one.load_application().store == "sqlite"
+    # A copy of the app in another folder (a job's shipped copy): its own sibling modules.
+    two = load_config(write_app(tmp_path / "two", app_py=app_py))
+    (two.app_dir / "helper.py").write_text('STORE = "rocksdb"\n')
+    forget_app_modules(two.app_dir)
+    assert two.load_application().store == "rocksdb"
+    assert str(one.app_dir.resolve()) not in sys.path
+
+    def loaded_here() -> set[str]:
+        return {name for name, module in list(sys.modules.items())
+                if str(getattr(module, "__file__", None)).startswith(str(tmp_path.resolve()))}
+
+    assert loaded_here() == {"app", "helper"}
+    forget_app_modules(two.app_dir)
+    assert loaded_here() == set()
 
 
 def load_error(tmp_path: Path, app_py: str | None, application: str = "app:WordCount",

@@ -63,6 +63,8 @@ def socket_path() -> Iterator[Path]:
     finally:
         subprocess.run(["pkill", "-KILL", "-f", f"streamkit.backfill.driver --socket {path}"],
                        check=False)
+        log = folder / "spark.log"
+        print(log.read_text() if log.exists() else "")  # shown if the test failed
         shutil.rmtree(folder, ignore_errors=True)
 
 

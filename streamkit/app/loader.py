@@ -71,15 +71,24 @@ def path_without_app_folders() -> list[str]:
 
 
 def forget_app_modules(folder: Path) -> None:
-    """Forget every module imported from `folder`: the next load reads the app as its
-    files are now. A process that runs task after task (Spark's reused Python workers,
-    under a driver kept up between backfills) would otherwise go on running the app as
-    it was when its first task imported it, sibling modules included."""
-    prefix = str(folder.resolve()) + os.sep
+    """Forget every module imported from `folder` or another app folder, and take the
+    other app folders off sys.path: the next load reads the app in `folder` as its files
+    are now. A process that runs task after task (Spark's reused Python workers, under a
+    driver kept up between backfills) would otherwise go on running the app as it was
+    when its first task imported it, sibling modules included; on a cluster each job
+    ships the app to a folder of its own, whose modules would be shadowed by the ones
+    an earlier job's copy left in sys.modules."""
+    kept = str(folder.resolve())
+    prefixes = tuple(f"{path}{os.sep}" for path in {kept, *_app_folders})
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
-        if isinstance(path, str) and path.startswith(prefix):
+        if isinstance(path, str) and path.startswith(prefixes):
             del sys.modules[name]
+            _app_modules.pop(name, None)
+    for other in _app_folders - {kept}:
+        while other in sys.path:
+            sys.path.remove(other)
+    _app_folders.intersection_update({kept})
 
 
 def _file_of(module: types.ModuleType) -> str:

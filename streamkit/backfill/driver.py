@@ -28,6 +28,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,9 +43,19 @@ __all__ = ["Driver", "main"]
 
 log = logging.getLogger("streamkit.spark.driver")
 _HEALTH_EVERY = 5.0  # seconds between checks that Spark still runs
+_CANCEL_AGAIN = 0.5  # seconds between cancels of a job that is to end and has not yet
 _ANSWER_CANCELLED = 10.0  # seconds a stopping driver waits for cancelled jobs to answer
 _STOPPED = ("the Spark driver was stopped while the backfill ran (shards handed over "
             "before keep their backfilled state)")
+
+
+@dataclass
+class _Job:
+    """A backfill running on the driver."""
+
+    what: str  # for status: its shards and app
+    cancel: threading.Event = field(default_factory=threading.Event)  # its command left
+    finished: threading.Event = field(default_factory=threading.Event)  # (or a stop)
 
 
 class Driver:
@@ -59,7 +70,7 @@ class Driver:
         self.fingerprint = code_fingerprint()
         self.started = time.time()
         self.stopping = threading.Event()
-        self._jobs: dict[str, str] = {}  # job group: what it backfills
+        self._jobs: dict[str, _Job] = {}  # by Spark job group
         self._done = 0
         self._lock = threading.Lock()
         self._numbers = itertools.count(1)
@@ -85,9 +96,8 @@ class Driver:
             self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() of serve()
         self.listener.close()
         with self._lock:
-            groups = list(self._jobs)
-        for group in groups:
-            self.sc.cancelJobGroup(group)
+            for job in self._jobs.values():
+                job.cancel.set()
 
     def close(self) -> None:
         """Stop Spark, once the cancelled jobs told their commands why (or soon after)."""
@@ -122,7 +132,7 @@ class Driver:
 
     def status(self) -> dict[str, Any]:
         with self._lock:
-            running = list(self._jobs.values())
+            running = [job.what for job in self._jobs.values()]
             done = self._done
         return {"pid": os.getpid(), "master": self.sc.master, "conf": self.conf,
                 "up_s": round(time.time() - self.started, 1), "python": sys.executable,
@@ -137,18 +147,22 @@ class Driver:
             return
         plan = request["plan"]
         group = f"streamkit-backfill-{os.getpid()}-{next(self._numbers)}"
+        job = _Job(f"{len(plan.shards)} shard(s) of {plan.app_dir}")
         with self._lock:
-            self._jobs[group] = f"{len(plan.shards)} shard(s) of {plan.app_dir}"
-        finished = threading.Event()
+            self._jobs[group] = job
+            if self.stopping.is_set():  # accepted just before a stop
+                job.cancel.set()
         sending = threading.Lock()
 
         def progress(update: Any) -> None:
             with sending, contextlib.suppress(OSError):  # gone: the watcher cancels the job
                 send(conn, {"ok": ("progress", update)})
 
-        threading.Thread(target=self._cancel_when_gone, args=(conn, group, finished),
+        threading.Thread(target=self._cancel_when_gone, args=(conn, group, job),
                          daemon=True, name="driver-client-watch").start()
-        log.warning("backfill %s: %s", group, self._jobs[group])
+        threading.Thread(target=self._cancel_when_asked, args=(group, job), daemon=True,
+                         name="driver-job-cancel").start()
+        log.warning("backfill %s: %s", group, job.what)
         try:
             results = run_on_spark(plan, sc=self.sc, progress=progress, job_group=group)
             answer: dict[str, Any] = {"ok": ("result", results)}
@@ -156,9 +170,11 @@ class Driver:
             answer = {"error": str(error)}
         except Exception as error:  # Spark's own failure, or our stop's cancel
             answer = {"error": _STOPPED if self.stopping.is_set()
+                      else "cancelled: its command went away" if job.cancel.is_set()
                       else _first_lines(f"Spark failed the backfill: {error}")}
         finally:
-            finished.set()
+            job.finished.set()
+            job.cancel.set()  # (wakes the canceller, which then ends)
         log.warning("backfill %s: %s", group, "done" if "ok" in answer else answer["error"])
         try:
             with sending:
@@ -168,14 +184,21 @@ class Driver:
                 del self._jobs[group]
                 self._done += 1
 
-    def _cancel_when_gone(self, conn: socket.socket, group: str,
-                          finished: threading.Event) -> None:
-        """Cancel `group` if its client closes the connection before the job ends."""
+    def _cancel_when_gone(self, conn: socket.socket, group: str, job: _Job) -> None:
+        """Cancel the job if its client closes the connection before it ends."""
         with contextlib.suppress(OSError):
             conn.recv(1)  # the client sends nothing more: this returns when it goes
-        if not finished.is_set():
+        if not job.finished.is_set():
             log.warning("backfill %s: its client went away; cancelling the job", group)
+            job.cancel.set()
+
+    def _cancel_when_asked(self, group: str, job: _Job) -> None:
+        """Once the job is to be cancelled, cancel its Spark job group until it ends:
+        asked before the job was submitted, a single cancel would find nothing to cancel."""
+        job.cancel.wait()
+        while not job.finished.is_set():
             self.sc.cancelJobGroup(group)
+            job.finished.wait(_CANCEL_AGAIN)
 
     def _watch_spark(self) -> None:
         """Stop serving if Spark died (its JVM killed, out of memory): a driver without
