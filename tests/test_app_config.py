@@ -459,8 +459,19 @@ def test_forgotten_app_modules_are_read_again(tmp_path: Path) -> None:
                 if str(getattr(module, "__file__", None)).startswith(str(tmp_path.resolve()))}
 
     assert loaded_here() == {"app", "helper"}
-    forget_app_modules(two.app_dir)
-    assert loaded_here() == set()
+    # Libraries in a folder on sys.path inside the app's (its .venv, with streamkit in it
+    # maybe) are not the app's: they stay.
+    site = two.app_dir / ".venv" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "some_library.py").write_text("VALUE = 1\n")
+    sys.path.append(str(site.resolve()))
+    try:
+        import some_library  # noqa: F401
+        forget_app_modules(two.app_dir)
+        assert loaded_here() == {"some_library"}
+    finally:
+        sys.path.remove(str(site.resolve()))
+        sys.modules.pop("some_library", None)
 
 
 def load_error(tmp_path: Path, app_py: str | None, application: str = "app:WordCount",

@@ -11,6 +11,7 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -198,16 +199,26 @@ def test_socket_folder_must_be_private(tmp_path: Path) -> None:
     folder.chmod(0o755)
     with pytest.raises(BackfillError, match="closed to others"):
         private_folder(folder / "spark.sock", create=False)
-    (folder / "spark.sock").touch()
-    with pytest.raises(BackfillError, match="closed to others"):
-        find_driver(folder / "spark.sock")
+    with socket.socket(socket.AF_UNIX) as bound:  # a socket there, in an open folder
+        bound.bind(str(folder / "spark.sock"))
+        with pytest.raises(BackfillError, match="closed to others"):
+            find_driver(folder / "spark.sock")
     folder.chmod(0o700)
     private_folder(folder / "spark.sock", create=False)
+    link = tmp_path / "link"  # a link to a private folder: its target could be swapped
+    link.symlink_to(folder)
+    with pytest.raises(BackfillError, match="not a link"):
+        private_folder(link / "spark.sock", create=False)
 
 
 def test_bad_start_options_are_named(socket_path: Path) -> None:
     bad = _streamkit(socket_path, "spark", "start", "--spark-conf", "nokey")
     assert bad.returncode == 2 and "expected KEY=VALUE" in bad.stderr, bad.stderr
+    socket_path.write_text("not a socket")
+    taken = _streamkit(socket_path, "spark", "start")
+    assert taken.returncode == 2 and "is not a socket" in taken.stderr, taken.stderr
+    assert socket_path.read_text() == "not a socket"
+    socket_path.unlink()
     failing = _streamkit(socket_path, "spark", "start", "--master", "nonsense://nowhere")
     assert failing.returncode == 1, failing.stderr
     assert "exited" in failing.stderr and "Traceback" not in failing.stderr.split("\n")[0]

@@ -79,10 +79,18 @@ def forget_app_modules(folder: Path) -> None:
     ships the app to a folder of its own, whose modules would be shadowed by the ones
     an earlier job's copy left in sys.modules."""
     kept = str(folder.resolve())
-    prefixes = tuple(f"{path}{os.sep}" for path in {kept, *_app_folders})
+    apps = {kept, *_app_folders}
+    prefixes = tuple(f"{path}{os.sep}" for path in apps)
+    # A folder on sys.path inside an app folder (its .venv's site-packages, say) holds
+    # libraries, maybe streamkit itself: their modules stay.
+    inner = sorted((entry for entry in sys.path if entry.startswith(prefixes)), key=len,
+                   reverse=True)
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
-        if isinstance(path, str) and path.startswith(prefixes):
+        if name == "__main__" or not isinstance(path, str) or not path.startswith(prefixes):
+            continue
+        home = next((entry for entry in inner if path.startswith(entry + os.sep)), None)
+        if home is None or home in apps:
             del sys.modules[name]
             _app_modules.pop(name, None)
     for other in _app_folders - {kept}:

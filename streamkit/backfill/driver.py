@@ -32,7 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from streamkit.backfill.driver_link import code_fingerprint, private_folder, receive, send
+from streamkit.backfill.driver_link import (
+    check_peer,
+    code_fingerprint,
+    is_socket,
+    private_folder,
+    receive,
+    send,
+)
 from streamkit.backfill.errors import BackfillError
 from streamkit.backfill.spark import run_on_spark, spark_context
 
@@ -45,8 +52,7 @@ log = logging.getLogger("streamkit.spark.driver")
 _HEALTH_EVERY = 5.0  # seconds between checks that Spark still runs
 _CANCEL_AGAIN = 0.5  # seconds between cancels of a job that is to end and has not yet
 _ANSWER_CANCELLED = 10.0  # seconds a stopping driver waits for cancelled jobs to answer
-_STOPPED = ("the Spark driver was stopped while the backfill ran (shards handed over "
-            "before keep their backfilled state)")
+_STOPPED = "the Spark driver was stopped while the backfill ran"
 
 
 @dataclass
@@ -105,13 +111,20 @@ class Driver:
         deadline = time.monotonic() + _ANSWER_CANCELLED
         while self._jobs and time.monotonic() < deadline:
             time.sleep(0.05)
-        self.sc.stop()
+        try:
+            self.sc.stop()
+        except Exception as error:  # Spark already gone
+            log.warning("stopping Spark: %s", _first_lines(str(error), 1))
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
+                check_peer(conn)
                 request = receive(conn)
             except EOFError:  # a client checking that the driver is up
+                return
+            except BackfillError as error:  # another user
+                log.warning("%s", error)
                 return
             except Exception as error:  # unreadable: answered
                 send(conn, {"error": f"unreadable request ({type(error).__name__}: {error})"})
@@ -129,12 +142,17 @@ class Driver:
                     send(conn, {"error": f"unknown request {op!r}"})
             except OSError:  # the client went away; its job (if any) is cancelled
                 pass
+            except Exception as error:  # Spark's gateway gone (the JVM killed, say)
+                with contextlib.suppress(OSError):
+                    send(conn, {"error": f"the Spark driver failed: {type(error).__name__}: "
+                                         f"{_first_lines(str(error), 1)}"})
 
     def status(self) -> dict[str, Any]:
         with self._lock:
             running = [job.what for job in self._jobs.values()]
             done = self._done
         return {"pid": os.getpid(), "master": self.sc.master, "conf": self.conf,
+                "fingerprint": self.fingerprint,
                 "up_s": round(time.time() - self.started, 1), "python": sys.executable,
                 "running": running, "done": done, "spark": self.sc.version}
 
@@ -221,7 +239,9 @@ def _first_lines(text: str, lines: int = 6) -> str:
 def _listen(path: Path) -> socket.socket:
     """A socket listening at `path`; BackfillError if a driver already listens there."""
     private_folder(path, create=True)
-    if path.exists():
+    if path.exists() and not is_socket(path):
+        raise BackfillError(f"{path} exists and is not a socket: choose another path")
+    if is_socket(path):
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(str(path))
@@ -250,8 +270,16 @@ def main(argv: list[str] | None = None) -> int:
     except (BackfillError, OSError) as error:
         log.error("%s", error)
         return 1
+    # A stop asked while Spark starts takes effect once it has (a start cut short leaves
+    # its JVM behind).
+    asked: list[str] = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda n, _f: asked.append(signal.Signals(n).name))
     try:
         sc = spark_context(args.master, conf)
+        if sc._jsc.sc().isStopped():  # e.g. a cluster's master never answered
+            sc.stop()
+            raise BackfillError(f"Spark ({args.master}) stopped as it started: see above")
     except BackfillError as error:
         listener.close()
         args.socket.unlink(missing_ok=True)
@@ -260,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     driver = Driver(sc, listener, args.socket, conf)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda n, _f: driver.stop(signal.Signals(n).name))
+    if asked:
+        driver.stop(asked[0])
     log.warning("Spark driver up (%s, Spark %s), listening at %s", sc.master, sc.version,
                 args.socket)
     try:

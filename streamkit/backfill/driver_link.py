@@ -8,7 +8,9 @@ hands it the plan and gets the progress and the shards' results back.
 
 The wire is a frame per message: 4 bytes of length, then a pickle. Pickles
 are trusted because only this user can reach the socket (its folder is
-checked to be this user's and closed to everyone else before it is used).
+checked to be this user's, not a symbolic link, and closed to everyone
+else), and because both ends check that the other runs as this user (the
+socket's peer credentials) on every connection.
 
 A driver runs the streamkit it was started with, in its Python: a command
 from another environment, or after streamkit's files changed, gets an
@@ -60,12 +62,32 @@ def private_folder(path: Path, *, create: bool) -> None:
     folder = path.parent
     if create:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = folder.stat()
-    if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+    info = folder.lstat()  # a symbolic link's target could be swapped after the check
+    if (not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid()
+            or stat.S_IMODE(info.st_mode) & 0o077):
         raise BackfillError(
-            f"{folder} (the Spark driver's socket folder) must belong to this user and be "
-            f"closed to others (mode {stat.S_IMODE(info.st_mode):o}): remove it, or set "
-            f"{SOCKET_ENV} to a socket path in a private folder")
+            f"{folder} (the Spark driver's socket folder) must be a folder (not a link) of "
+            f"this user's, closed to others (mode {stat.S_IMODE(info.st_mode):o}): remove "
+            f"it, or set {SOCKET_ENV} to a socket path in a private folder")
+
+
+def is_socket(path: Path) -> bool:
+    """Whether `path` is a Unix socket (not some other file to be left alone)."""
+    try:
+        return stat.S_ISSOCK(path.lstat().st_mode)
+    except OSError:
+        return False
+
+
+def check_peer(sock: socket.socket) -> None:
+    """Refuse a connection whose other end runs as another user (where the system says)."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return
+    _, uid, _ = struct.unpack("3i", sock.getsockopt(
+        socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if uid != os.getuid():
+        raise BackfillError(f"the other end of the Spark driver's socket runs as user {uid}, "
+                            f"not as this user ({os.getuid()}): refused")
 
 
 def code_fingerprint() -> str:
@@ -75,7 +97,10 @@ def code_fingerprint() -> str:
     digest = hashlib.sha1(f"{sys.prefix} {sys.version} {root}".encode())
     for path in sorted(root.rglob("*")):
         if path.suffix in (".py", ".so"):
-            info = path.stat()
+            try:
+                info = path.stat()
+            except OSError:  # a dangling link (an editor's lock file, say)
+                continue
             digest.update(f"{path.relative_to(root)} {info.st_size} {info.st_mtime_ns}".encode())
     return digest.hexdigest()
 
@@ -118,7 +143,9 @@ class DriverLink:
         self._open = sock
         sock.settimeout(self.timeout)
         try:
+            private_folder(self.path, create=False)
             sock.connect(str(self.path))
+            check_peer(sock)
             yield sock
         except (EOFError, OSError) as error:
             if self._cancelled:
@@ -175,7 +202,7 @@ def _answer(message: dict[str, Any]) -> Any:
 def find_driver(path: Path | None = None) -> DriverLink | None:
     """The driver listening at `path` (default: this user's), or None if none is up."""
     path = path or driver_socket()
-    if not path.exists():
+    if not is_socket(path):
         return None
     private_folder(path, create=False)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

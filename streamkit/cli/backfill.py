@@ -362,12 +362,24 @@ def _running_driver(wanted: bool) -> _Driver | None:
     """The driver of `streamkit spark start`, if `wanted` and one runs."""
     if not wanted:
         return None
-    from streamkit.backfill.driver_link import find_driver
+    from streamkit.backfill.driver_link import DriverLink, code_fingerprint, find_driver
+    from streamkit.backfill.errors import BackfillError
 
     link = find_driver()
     if link is None:
         return None
-    status = link.status()  # waits while the driver's Spark is still starting
+    try:
+        status = DriverLink(link.path, timeout=2.0).status()
+    except BackfillError:  # no answer yet: its Spark is still starting
+        click.echo(f"waiting for the Spark driver at {link.path} to finish starting...",
+                   err=True)
+        status = link.status()
+    if status.get("fingerprint") != code_fingerprint():  # refused before anything changes
+        raise CliError(f"the Spark driver at {link.path} runs other code than this command "
+                       "(another Python environment, or streamkit's files changed since it "
+                       "started): `streamkit spark stop`, then `streamkit spark start` from "
+                       "this environment (or pass --master to use a Spark of this command's "
+                       "own)")
     click.echo(f"using the Spark driver at {link.path} ({status['master']}, pid "
                f"{status['pid']})", err=True)
     return _Driver(link, str(status["master"]), int(status["pid"]))

@@ -36,7 +36,12 @@ def spark() -> None:
               help="Spark configuration (repeatable).")
 def start(master: str, spark_conf: tuple[str, ...]) -> None:
     """Start the driver in the background and wait until Spark is up."""
-    from streamkit.backfill.driver_link import driver_socket, find_driver, private_folder
+    from streamkit.backfill.driver_link import (
+        driver_socket,
+        find_driver,
+        is_socket,
+        private_folder,
+    )
 
     with reporting_errors():
         for item in spark_conf:
@@ -46,6 +51,9 @@ def start(master: str, spark_conf: tuple[str, ...]) -> None:
         if find_driver(path) is not None:
             raise CliError(f"a Spark driver already runs at {path} (`streamkit spark status`)")
         private_folder(path, create=True)
+        if path.exists() and not is_socket(path):
+            raise CliError(f"{path} exists and is not a socket: set STREAMKIT_SPARK_DRIVER to "
+                           "another path", DATA_ERROR)
         path.unlink(missing_ok=True)  # left by a driver that was killed (none answers there)
         log = path.with_suffix(".log")
         args = [sys.executable, "-m", "streamkit.backfill.driver", "--socket", str(path),
