@@ -191,6 +191,22 @@ async def test_a_killed_driver_is_replaced(socket_path: Path) -> None:
                                         "local[1]")
     assert restarted.returncode == 0, restarted.stderr
     assert find_driver(socket_path) is not None
+    stopped = await asyncio.to_thread(_streamkit, socket_path, "spark", "stop")
+    assert stopped.returncode == 0, stopped.stderr
+
+    # `status` while the driver's Spark starts: it waits (saying so when that takes a while).
+    starting = subprocess.Popen(
+        [sys.executable, "-m", "streamkit.backfill.driver", "--socket", str(socket_path),
+         "--master", "local[1]"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        await eventually(lambda: find_driver(socket_path) is not None, timeout=60,
+                         what="the driver to listen")
+        status = await asyncio.to_thread(_streamkit, socket_path, "spark", "status")
+        assert status.returncode == 0, status.stderr
+        assert "master local[1]" in status.stdout
+    finally:
+        starting.terminate()
+        assert starting.wait(60) == 0
 
 
 def test_socket_folder_must_be_private(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ __all__ = ["DriverLink", "code_fingerprint", "driver_socket", "find_driver"]
 SOCKET_ENV = "STREAMKIT_SPARK_DRIVER"
 _HEADER = struct.Struct(">I")
 _MAX_FRAME = 1 << 30
+_PROMPT = 2.0  # seconds a driver that is up takes to answer a status, at most
 
 
 def driver_socket() -> Path:
@@ -172,6 +173,15 @@ class DriverLink:
 
     def status(self) -> dict[str, Any]:
         return dict(self.request("status"))
+
+    def status_once_up(self, waiting: Callable[[], None]) -> dict[str, Any]:
+        """The status, calling `waiting()` first if the driver doesn't answer at once
+        (its Spark still starting: it answers once Spark is up)."""
+        try:
+            return DriverLink(self.path, timeout=_PROMPT).status()
+        except BackfillError:
+            waiting()
+            return self.status()
 
     def stop(self) -> None:
         self.request("stop")

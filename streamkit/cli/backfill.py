@@ -362,18 +362,13 @@ def _running_driver(wanted: bool) -> _Driver | None:
     """The driver of `streamkit spark start`, if `wanted` and one runs."""
     if not wanted:
         return None
-    from streamkit.backfill.driver_link import DriverLink, code_fingerprint, find_driver
-    from streamkit.backfill.errors import BackfillError
+    from streamkit.backfill.driver_link import code_fingerprint, find_driver
 
     link = find_driver()
     if link is None:
         return None
-    try:
-        status = DriverLink(link.path, timeout=2.0).status()
-    except BackfillError:  # no answer yet: its Spark is still starting
-        click.echo(f"waiting for the Spark driver at {link.path} to finish starting...",
-                   err=True)
-        status = link.status()
+    status = link.status_once_up(lambda: click.echo(
+        f"waiting for the Spark driver at {link.path} to finish starting...", err=True))
     if status.get("fingerprint") != code_fingerprint():  # refused before anything changes
         raise CliError(f"the Spark driver at {link.path} runs other code than this command "
                        "(another Python environment, or streamkit's files changed since it "

@@ -110,7 +110,8 @@ def status() -> None:
         link = find_driver(path)
         if link is None:
             raise CliError(f"no Spark driver runs at {path} (`streamkit spark start`)")
-        info = link.status()
+        info = link.status_once_up(lambda: click.echo(
+            f"the Spark driver at {path} is starting Spark; waiting...", err=True))
         click.echo(f"Spark driver at {path}: pid {info['pid']}, master {info['master']}, "
                    f"Spark {info['spark']}, up {info['up_s']:.0f}s, {info['done']} backfill(s) "
                    f"done, {len(info['running'])} running")
