@@ -35,7 +35,9 @@ from typing import TYPE_CHECKING, Any
 from streamkit.backfill.driver_link import (
     check_peer,
     code_fingerprint,
+    find_driver,
     is_socket,
+    other_code,
     private_folder,
     receive,
     send,
@@ -158,10 +160,7 @@ class Driver:
 
     def _backfill(self, conn: socket.socket, request: dict[str, Any]) -> None:
         if request.get("fingerprint") != self.fingerprint:
-            send(conn, {"error": (
-                f"the Spark driver at {self.path} runs other code than this command (another "
-                "Python environment, or streamkit's files changed since it started): "
-                "`streamkit spark stop`, then `streamkit spark start` from this environment")})
+            send(conn, {"error": other_code(self.path)})
             return
         plan = request["plan"]
         group = f"streamkit-backfill-{os.getpid()}-{next(self._numbers)}"
@@ -241,15 +240,9 @@ def _listen(path: Path) -> socket.socket:
     private_folder(path, create=True)
     if path.exists() and not is_socket(path):
         raise BackfillError(f"{path} exists and is not a socket: choose another path")
-    if is_socket(path):
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-            raise BackfillError(f"a Spark driver already listens at {path}")
-        except OSError:
-            path.unlink()  # left by a driver that was killed
-        finally:
-            probe.close()
+    if find_driver(path) is not None:
+        raise BackfillError(f"a Spark driver already listens at {path}")
+    path.unlink(missing_ok=True)  # a socket left by a driver that was killed
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(path))
     listener.listen(16)

@@ -20,6 +20,7 @@ error asking for a restart of the driver, never a backfill by other code.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import pickle
@@ -34,7 +35,7 @@ from typing import Any
 
 from streamkit.backfill.errors import BackfillError
 
-__all__ = ["DriverLink", "code_fingerprint", "driver_socket", "find_driver"]
+__all__ = ["DriverLink", "code_fingerprint", "driver_socket", "find_driver", "other_code"]
 
 SOCKET_ENV = "STREAMKIT_SPARK_DRIVER"
 _HEADER = struct.Struct(">I")
@@ -91,9 +92,11 @@ def check_peer(sock: socket.socket) -> None:
                             f"not as this user ({os.getuid()}): refused")
 
 
+@functools.cache
 def code_fingerprint() -> str:
     """This environment's Python and streamkit's files (names, sizes, times): a driver
-    whose fingerprint differs would run other code than the command that calls it."""
+    whose fingerprint differs would run other code than the command that calls it.
+    Taken once per process: the driver's as it starts, a command's as it first asks."""
     root = Path(__file__).resolve().parent.parent
     digest = hashlib.sha1(f"{sys.prefix} {sys.version} {root}".encode())
     for path in sorted(root.rglob("*")):
@@ -104,6 +107,13 @@ def code_fingerprint() -> str:
                 continue
             digest.update(f"{path.relative_to(root)} {info.st_size} {info.st_mtime_ns}".encode())
     return digest.hexdigest()
+
+
+def other_code(path: Path) -> str:
+    """Why a driver whose fingerprint differs from the command's is refused, and what to do."""
+    return (f"the Spark driver at {path} runs other code than this command (another Python "
+            "environment, or streamkit's files changed since it started): `streamkit spark "
+            "stop`, then `streamkit spark start` from this environment")
 
 
 def send(sock: socket.socket, message: Any) -> None:

@@ -362,7 +362,7 @@ def _running_driver(wanted: bool) -> _Driver | None:
     """The driver of `streamkit spark start`, if `wanted` and one runs."""
     if not wanted:
         return None
-    from streamkit.backfill.driver_link import code_fingerprint, find_driver
+    from streamkit.backfill.driver_link import code_fingerprint, find_driver, other_code
 
     link = find_driver()
     if link is None:
@@ -370,11 +370,8 @@ def _running_driver(wanted: bool) -> _Driver | None:
     status = link.status_once_up(lambda: click.echo(
         f"waiting for the Spark driver at {link.path} to finish starting...", err=True))
     if status.get("fingerprint") != code_fingerprint():  # refused before anything changes
-        raise CliError(f"the Spark driver at {link.path} runs other code than this command "
-                       "(another Python environment, or streamkit's files changed since it "
-                       "started): `streamkit spark stop`, then `streamkit spark start` from "
-                       "this environment (or pass --master to use a Spark of this command's "
-                       "own)")
+        raise CliError(f"{other_code(link.path)} (or pass --master to use a Spark of this "
+                       "command's own)")
     click.echo(f"using the Spark driver at {link.path} ({status['master']}, pid "
                f"{status['pid']})", err=True)
     return _Driver(link, str(status["master"]), int(status["pid"]))
