@@ -107,11 +107,14 @@ class Proc:
     def streamkit(cls, args: list[str], log_path: Path) -> Proc:
         return cls([sys.executable, "-m", "streamkit.cli.main", *args], log_path)
 
-    def start(self) -> Proc:
+    def start(self, own_group: bool = False) -> Proc:
+        """`own_group`: lead a process group of its own, as a command run at a terminal
+        does (its children join it unless they leave); see `signal(..., group=True)`."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=_env(), cwd=ROOT)
+                                         stdin=subprocess.DEVNULL, env=_env(), cwd=ROOT,
+                                         process_group=0 if own_group else None)
         return self
 
     @property
@@ -146,11 +149,15 @@ class Proc:
         if self.proc is not None:
             self.proc.wait(10)
 
-    def signal(self, sig: int, timeout: float = 30.0) -> int:
-        """Send `sig` and wait for the exit code."""
+    def signal(self, sig: int, timeout: float = 30.0, group: bool = False) -> int:
+        """Send `sig` and wait for the exit code. `group`: to its whole process group, as a
+        terminal's Ctrl-C does (started with `own_group`)."""
         assert self.proc is not None
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            if group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
         return self.proc.wait(timeout)
 
     def stop(self) -> None:

@@ -29,10 +29,11 @@ from tests.e2e import (
 from tests.waiting import DEADLINE, LIVENESS
 
 
-def _run_bundled(app: Path, port: int, log_path: Path, *extra: str) -> Proc:
+def _run_bundled(app: Path, port: int, log_path: Path, *extra: str,
+                 own_group: bool = False) -> Proc:
     """`streamkit run` starting its own broker (no --broker) on `port`."""
     return Proc.streamkit(["run", str(app), "--port", str(port), "--no-status",
-                           "--log-level", "INFO", *extra], log_path).start()
+                           "--log-level", "INFO", *extra], log_path).start(own_group)
 
 
 def _broker_pid(app: Path) -> int | None:
@@ -147,6 +148,35 @@ async def test_interrupt_while_the_broker_is_down_is_prompt(tmp_path: Path) -> N
             assert code == 0, run.log()
             assert "stopping: the bundled broker is down" in run.text(), run.log()
             assert "Traceback" not in run.text(), run.log()
+
+            run = _run_bundled(app, port, tmp_path / "run-2.log", "--workers", "2")
+            await _check_exact(view, ids)
+    finally:
+        run.stop()
+
+
+async def test_ctrl_c_at_a_terminal_stops_the_broker_last(tmp_path: Path) -> None:
+    """Ctrl-C at a terminal signals every process of the foreground group, not only `run`.
+    The bundled broker and the workers must not stop by themselves under the shards' last
+    commits: with a catch-up in flight, run exits 0 without the broker being restarted or a
+    transaction abandoned, and a new run counts every line once."""
+    app = copy_wordcount(tmp_path / "wordcount")
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    run = _run_bundled(app, port, tmp_path / "run-1.log", "--workers", "2", own_group=True)
+    try:
+        async with AppView(app, address) as view:
+            await view.wait_serving(timeout=60)
+            ids = Feeder(app, address, tmp_path / "feed.log", count=3000, batch=200,
+                         interval=0).start().finish()
+            code = await asyncio.to_thread(run.signal, signal.SIGINT, LIVENESS, group=True)
+            assert code == 0, run.log()
+            assert "committing the shards' last transactions" in run.text(), run.log()
+            worker_log = (app / ".streamkit" / "worker-1.log").read_text()
+            assert not _death_lines(run), "the broker stopped before run's shards"
+            for text in (run.text(), worker_log):
+                assert "abandoning" not in text, text[-3000:]
+                assert "Traceback" not in text, text[-3000:]
 
             run = _run_bundled(app, port, tmp_path / "run-2.log", "--workers", "2")
             await _check_exact(view, ids)

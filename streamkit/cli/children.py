@@ -2,7 +2,12 @@
 
 Children are tied to the parent's life (Linux's parent-death signal), so a
 `streamkit run` that is killed outright doesn't leave a broker or workers
-behind holding ports and files. A `Supervisor` keeps a child that serves a
+behind holding ports and files. Each runs in a process group of its own: Ctrl-C
+at a terminal signals the whole foreground group, and a bundled broker that
+stopped with its parent would leave the shards nothing to commit their last
+transactions to (and be restarted by its supervisor as if it had crashed). The
+parent stops its children itself, in order: workers and its own shards first,
+the broker last. A `Supervisor` keeps a child that serves a
 port (the bundled broker) running: the shards outlive a broker crash, since
 their clients reconnect and the broker recovers its journals from disk.
 """
@@ -111,7 +116,7 @@ def start_child(name: str, args: list[str], log_path: Path,
         proc = subprocess.Popen(
             [sys.executable, "-m", "streamkit.cli.main", *args],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_die_with_parent, process_group=0,  # the parent stops it; see above
             env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
         )
     if pid_file is not None:  # for people (and tests) looking for the process
@@ -135,7 +140,8 @@ class Supervisor:
 
     def __init__(self, child: Child, port: int) -> None:
         self.child, self.port = child, port
-        self.started = self.up_since = time.monotonic()
+        self.started = time.monotonic()
+        self.up_since = self.started - self.settle  # a first start has no clients to lose
         self.restarting: int | None = None  # the restart under way, if one is
         self._failure: str | None = None  # why the last restart failed
 
@@ -144,7 +150,8 @@ class Supervisor:
         return self.restarting is None and self.child.proc.poll() is None
 
     def settled(self) -> bool:
-        """Whether the child is up, and has been long enough for its clients to be back."""
+        """Whether the child is up, and has been (since a restart) long enough for its
+        clients to be back."""
         return self.running() and time.monotonic() - self.up_since >= self.settle
 
     def state(self) -> str | None:
