@@ -90,7 +90,14 @@ def _counted(output: str) -> int:
 
 
 async def test_backfills_run_on_a_driver_kept_up(broker_proc: BrokerProcess, tmp_path: Path,
-                                                  socket_path: Path) -> None:
+                                                  socket_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # A package folder of the test's own on every process's path (the driver's included),
+    # whose one package the test "upgrades" below.
+    packages = tmp_path / "site-packages"
+    (packages / "fakepkg-1.0.dist-info").mkdir(parents=True)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(packages), *filter(None, [os.environ.get("PYTHONPATH")])]))
     app = copy_wordcount(tmp_path / "app")
     with (app / "app.py").open("a") as source:
         source.write(TWEAKED_APP)
@@ -145,9 +152,16 @@ async def test_backfills_run_on_a_driver_kept_up(broker_proc: BrokerProcess, tmp
     assert after.returncode == 0, after.stderr
     assert _counted(after.stdout) == 60
 
-    # A command from other code (another environment, streamkit changed) is refused.
+    # A command from other code (another environment, streamkit changed) is refused, as is
+    # one after a package was upgraded (the driver's Python workers keep the old one).
     with pytest.raises(BackfillError, match="runs other code than this command"):
         link.request("backfill", plan=None, fingerprint="another streamkit")
+    (packages / "fakepkg-1.0.dist-info").rename(packages / "fakepkg-1.1.dist-info")
+    upgraded = await asyncio.to_thread(backfill)
+    assert upgraded.returncode == 1, upgraded.stderr
+    assert "runs other code than this command" in upgraded.stderr, upgraded.stderr
+    (packages / "fakepkg-1.1.dist-info").rename(packages / "fakepkg-1.0.dist-info")
+    (packages / "__pycache__").mkdir()  # what a first import may write: not an upgrade
 
     status = await asyncio.to_thread(_streamkit, socket_path, "spark", "status")
     assert status.returncode == 0, status.stderr

@@ -13,8 +13,9 @@ else), and because both ends check that the other runs as this user (the
 socket's peer credentials) on every connection.
 
 A driver runs the streamkit it was started with, in its Python: a command
-from another environment, or after streamkit's files changed, gets an
-error asking for a restart of the driver, never a backfill by other code.
+from another environment, or after packages were installed or upgraded or
+streamkit's files changed, gets an error asking for a restart of the
+driver, never a backfill by other code.
 """
 
 from __future__ import annotations
@@ -94,11 +95,13 @@ def check_peer(sock: socket.socket) -> None:
 
 @functools.cache
 def code_fingerprint() -> str:
-    """This environment's Python and streamkit's files (names, sizes, times): a driver
-    whose fingerprint differs would run other code than the command that calls it.
-    Taken once per process: the driver's as it starts, a command's as it first asks."""
+    """This environment's Python, its installed packages' versions and streamkit's files
+    (names, sizes, times): a driver whose fingerprint differs would run other code than
+    the command that calls it (Spark's Python workers keep what they imported). Taken once
+    per process: the driver's as it starts, a command's as it first asks."""
     root = Path(__file__).resolve().parent.parent
     digest = hashlib.sha1(f"{sys.prefix} {sys.version} {root}".encode())
+    digest.update(" ".join(_installed_packages()).encode())
     for path in sorted(root.rglob("*")):
         if path.suffix in (".py", ".so"):
             try:
@@ -109,10 +112,27 @@ def code_fingerprint() -> str:
     return digest.hexdigest()
 
 
+def _installed_packages() -> list[str]:
+    """The distributions installed where this Python imports from, with their versions
+    (their metadata folders: `rocksdict-0.3.25.dist-info`); an upgrade renames them."""
+    found = []
+    for entry in sys.path:
+        folder = Path(entry)
+        if folder.name in ("site-packages", "dist-packages"):
+            try:
+                names = os.listdir(folder)
+            except OSError:
+                continue
+            found += (f"{folder}/{name}" for name in names
+                      if name.endswith((".dist-info", ".egg-info")))
+    return sorted(found)
+
+
 def other_code(path: Path) -> str:
     """Why a driver whose fingerprint differs from the command's is refused, and what to do."""
     return (f"the Spark driver at {path} runs other code than this command (another Python "
-            "environment, or streamkit's files changed since it started): `streamkit spark "
+            "environment, packages installed or upgraded, or streamkit's files changed since it "
+            "started): `streamkit spark "
             "stop`, then `streamkit spark start` from this environment")
 
 
