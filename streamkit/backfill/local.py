@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -22,13 +23,25 @@ from streamkit.backfill.plan import BackfillPlan, largest_first
 from streamkit.backfill.spark import SparkProgress
 from streamkit.backfill.task import run_shard_task
 
+_CANCEL_POLL = 0.1  # seconds between looks at the cancel event while tasks run
+
+
+class Cancelled(Exception):
+    """The backfill was cancelled (its command interrupted): its processes were stopped."""
+
 
 def run_locally(plan: BackfillPlan, processes: int,
-                progress: Callable[[SparkProgress], None] | None = None
-                ) -> list[dict[str, Any]]:
+                progress: Callable[[SparkProgress], None] | None = None,
+                cancelled: threading.Event | None = None) -> list[dict[str, Any]]:
     """Backfill every shard of `plan` in `processes` local processes; the shards' results
     (ShardResult dicts), in the plan's order. The first task to fail stops the rest
-    (shards handed over already keep their backfilled state) and is raised."""
+    (shards handed over already keep their backfilled state) and is raised.
+
+    Setting `cancelled` (from another thread) terminates the processes at once and raises
+    Cancelled: a task stopped before its hand-over leaves its shard as it was, and what
+    it published is never acknowledged. (Waiting for them instead could be forever: a
+    command interrupted at a terminal stops the bundled broker their appends wait for.)
+    """
     order = largest_first(plan)
     results: dict[int, dict[str, Any]] = {}
     started = time.monotonic()
@@ -40,10 +53,13 @@ def run_locally(plan: BackfillPlan, processes: int,
                 pool.submit(run_shard_task, plan, index): index for index in order}
         try:
             while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                done, _ = wait(pending, timeout=_CANCEL_POLL, return_when=FIRST_COMPLETED)
+                if cancelled is not None and cancelled.is_set():
+                    _terminate(pool)
+                    raise Cancelled("the backfill was cancelled")
                 for future in done:
                     results[pending.pop(future)] = future.result()
-                if progress is not None:
+                if progress is not None and done:
                     running = min(len(pending), processes)
                     progress(SparkProgress(len(order), len(results), running, 0,
                                            time.monotonic() - started))
@@ -51,6 +67,19 @@ def run_locally(plan: BackfillPlan, processes: int,
             pool.shutdown(wait=True, cancel_futures=True)
             raise
     return [results[index] for index in range(len(order))]
+
+
+def _terminate(pool: ProcessPoolExecutor) -> None:
+    """SIGTERM the pool's processes (Python 3.14 has `terminate_workers` for this; before
+    it, the pool's table of them is the only handle)."""
+    terminate = getattr(pool, "terminate_workers", None)
+    if terminate is not None:
+        terminate()
+        return
+    workers = getattr(pool, "_processes", None) or {}
+    for process in list(workers.values()):
+        with contextlib.suppress(OSError):
+            process.terminate()
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -255,9 +256,11 @@ async def backfill(app_dir: Path, use_spark: bool, processes: int | None, plan_o
                 ran = time.monotonic()
                 if driver is not None:
                     results = await _run_on_driver(driver.link, plan)
+                elif sc is not None:
+                    results = await asyncio.to_thread(_run_spark, plan, sc)
                 else:
-                    results = await asyncio.to_thread(
-                        _run_spark if sc is not None else _run_locally, plan, sc or processes)
+                    assert processes is not None
+                    results = await _run_locally(plan, processes)
                 ran = time.monotonic() - ran
             except BackfillError as error:
                 raise CliError(f"{error}\n(shards handed over before this failure keep "
@@ -401,10 +404,22 @@ def _stop_spark(sc: Any) -> None:
     stop_context(sc, exiting=True)  # the command ends right after
 
 
-def _run_locally(plan: Any, processes: int) -> list[dict[str, Any]]:
+async def _run_locally(plan: Any, processes: int) -> list[dict[str, Any]]:
+    """The plan run in processes of this machine; cancelled here (Ctrl-C), they are
+    stopped before this command goes on to stop the broker they use."""
     from streamkit.backfill.local import run_locally
 
-    return run_locally(plan, processes, progress=_progress_printer())
+    cancelled = threading.Event()
+    running = asyncio.ensure_future(asyncio.to_thread(
+        run_locally, plan, processes, progress=_progress_printer(), cancelled=cancelled))
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        cancelled.set()
+        await asyncio.wait((running,))  # quick: it terminates the processes
+        if not running.cancelled():
+            running.exception()  # Cancelled, as asked (retrieved: not logged as unseen)
+        raise
 
 
 def _run_spark(plan: Any, sc: Any) -> list[dict[str, Any]]:
