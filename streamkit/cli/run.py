@@ -218,11 +218,19 @@ def _exit_stuck(stuck: list[Stuck], children: Callable[[], list[Child]] = list) 
     os._exit(1)
 
 
+def _stop_signals() -> tuple[signal.Signals, ...]:
+    """What stops a run gracefully: Ctrl-C, SIGTERM, and a hang-up (its terminal or SSH
+    session went away: the shards commit and hand over rather than die mid-transaction),
+    unless hang-ups are ignored (`nohup`)."""
+    hang_up = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
+    return (signal.SIGINT, signal.SIGTERM, *hang_up)
+
+
 async def _until_signalled(supervising: asyncio.Task[None] | None = None,
                            member: Member | None = None,
                            children: Callable[[], list[Child]] = list) -> None:
-    """Until SIGINT or SIGTERM; raises what ended `supervising` (a broker given up on), or
-    the failed loop that stopped `member`.
+    """Until SIGINT, SIGTERM or SIGHUP (`_stop_signals`); raises what ended `supervising` (a
+    broker given up on), or the failed loop that stopped `member`.
 
     The signal also reaches `member`'s watchdog through a plain signal handler, which runs
     even while a hook blocks the event loop (the loop's own handlers can't): a hook still
@@ -230,13 +238,14 @@ async def _until_signalled(supervising: asyncio.Task[None] | None = None,
     a second signal, ends the process, naming it (`_exit_stuck`)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    signals = _stop_signals()
+    for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     if member is not None:
         watchdog = member.runtime.watchdog
         watchdog.arm_exit(lambda stuck: _exit_stuck(stuck, children), STUCK_GRACE,
                           _stop_timeout() + STUCK_GRACE)
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in signals:
             # Replaces asyncio's no-op Python-level handler; the loop still gets the signal
             # through its wakeup fd.
             signal.signal(sig, lambda _sig, _frame: watchdog.stop_requested())
