@@ -222,3 +222,59 @@ async def test_a_broker_that_cannot_start_again_makes_run_give_up(tmp_path: Path
         assert "is a file" in error and ".streamkit/broker.log" in error, error
     finally:
         run.stop()
+
+
+async def test_one_run_and_one_broker_per_app(tmp_path: Path) -> None:
+    """A second `run` of the same app folder is refused at once (its members would take
+    the first one's names, and a second bundled broker on the app's data would lose
+    acknowledged appends); a backfill not told the running app's port uses its broker
+    instead of starting another on the same data; a broker started by hand on that data
+    is refused. After all that, and a restart, every line is counted once."""
+    app = copy_wordcount(tmp_path / "wordcount")
+    port, other = free_port(), free_port()
+    address = f"127.0.0.1:{port}"
+    run = _run_bundled(app, port, tmp_path / "run-1.log", own_group=True)
+    others: list[Proc] = []  # stopped at the end, whatever happened
+    try:
+        async with AppView(app, address) as view:
+            await view.wait_serving(timeout=60)
+            first = Feeder(app, address, tmp_path / "feed-1.log", count=1000, batch=100,
+                           interval=0).start().finish()
+            pid = _broker_pid(app)
+
+            second = _run_bundled(app, other, tmp_path / "run-2.log")
+            others.append(second)
+            assert second.proc is not None
+            assert await asyncio.to_thread(second.proc.wait, LIVENESS) == 2, second.log()
+            assert "`streamkit run` already runs the app" in second.text(), second.log()
+            assert "Traceback" not in second.text(), second.log()
+            assert pid is not None and _broker_pid(app) == pid and _alive(pid)
+
+            backfill = Proc.streamkit(["backfill", str(app), "--processes", "2", "--port",
+                                       str(other)], tmp_path / "backfill.log").start()
+            others.append(backfill)
+            assert backfill.proc is not None
+            assert await asyncio.to_thread(backfill.proc.wait, LIVENESS) == 0, backfill.log()
+            assert f"using the app's bundled broker at {address}" in backfill.text()
+
+            by_hand = Proc.streamkit(["broker", "serve", "--data-dir",
+                                      str(app / ".streamkit" / "broker"), "--port", str(other)],
+                                     tmp_path / "broker.log").start()
+            others.append(by_hand)
+            assert by_hand.proc is not None
+            assert await asyncio.to_thread(by_hand.proc.wait, LIVENESS) == 1, by_hand.log()
+            assert f"another broker (pid {pid}, {address})" in by_hand.text(), by_hand.log()
+
+            more = Feeder(app, address, tmp_path / "feed-2.log", start=first.stop, count=1000,
+                          batch=100, interval=0).start().finish()
+            serving = await view.wait_caught_up(timeout=60)
+            assert await view.query_counts(serving) == expected_counts(range(more.stop))
+            code = await asyncio.to_thread(run.signal, signal.SIGINT, LIVENESS, group=True)
+            assert code == 0, run.log()
+
+            run = _run_bundled(app, port, tmp_path / "run-3.log")
+            serving = await view.wait_caught_up(timeout=60)
+            assert await view.query_counts(serving) == expected_counts(range(more.stop))
+    finally:
+        for proc in [*others, run]:
+            proc.stop()

@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING
 import grpc
 
 from streamkit.auth.grpc_auth import JOURNAL_CAPABILITIES
-from streamkit.auth.settings import Exposed, Security
+from streamkit.auth.settings import Exposed, Security, is_wildcard
 from streamkit.auth.tls import TlsError
+from streamkit.broker.data_lock import lock_data_dir
 from streamkit.broker.journals import JournalRegistry
 from streamkit.broker.pace import DEFAULT_MIN_APPEND_RATE
 from streamkit.broker.persister import Persister
@@ -39,6 +40,7 @@ from streamkit.broker.replica import Replica
 from streamkit.broker.service import APPEND_CHUNK_TIMEOUT, Identity, JournalService
 from streamkit.errors import StreamkitError
 from streamkit.keyspace import KeySpaceError, open_keyspace
+from streamkit.process_lock import ProcessLock
 from streamkit.protocol import pb_grpc
 from streamkit.sockets import listen
 from streamkit.tasks import cancel_and_wait
@@ -98,6 +100,7 @@ class Broker:
         self._gateway_task: asyncio.Task[None] | None = None
         self._gateway_sock: socket.socket | None = None
         self._refreshed: dict[str, float] = {}
+        self._data_lock: ProcessLock | None = None  # one broker per data dir (data_lock.py)
 
     def request_stop(self) -> None:
         self._stopping.set()
@@ -106,6 +109,7 @@ class Broker:
         cfg = self.config
         cfg.security.check_exposure(cfg.host, cfg.port, "the broker")
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        self._data_lock = lock_data_dir(cfg.data_dir, self._local_address())  # before reading it
         cfg.fragment_root.mkdir(parents=True, exist_ok=True)
         keyspace = open_keyspace(cfg.keyspace or str(cfg.data_dir / "keyspace.db"))
         self.registry = JournalRegistry(
@@ -179,6 +183,7 @@ class Broker:
         try:
             await self.start()
         except (OSError, RuntimeError, KeySpaceError, Exposed, TlsError) as err:
+            self._release_data_dir()
             raise StartupFailed(str(err)) from err
         ticker = asyncio.create_task(self._tick())
         try:
@@ -209,7 +214,20 @@ class Broker:
             log.warning("some fragments were not persisted before shutdown; they stay spooled")
         await self.persister.stop()
         await self.registry.stop()
+        self._release_data_dir()
         log.info("broker stopped")
+
+    def _release_data_dir(self) -> None:
+        if self._data_lock is not None:
+            self._data_lock.release()
+            self._data_lock = None
+
+    def _local_address(self) -> str:
+        """The address a client on this machine dials (named in the data dir's lock)."""
+        cfg = self.config
+        host = "127.0.0.1" if is_wildcard(cfg.host) else cfg.host
+        scheme = "https://" if cfg.security.server_tls is not None else ""
+        return f"{scheme}{host}:{cfg.port}"
 
     async def _roll_for_shutdown(self, replica: Replica) -> None:
         async with replica.append_lock:

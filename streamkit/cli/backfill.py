@@ -33,6 +33,7 @@ from streamkit.app.member import deploy
 from streamkit.app.store_kinds import STORE_KINDS
 from streamkit.auth.settings import Security, is_loopback
 from streamkit.auth.tls import parse_address
+from streamkit.broker.data_lock import data_dir_holder
 from streamkit.cli.children import Child, port_in_use
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command, warn
 from streamkit.cli.logs import configure_logging
@@ -74,6 +75,12 @@ async def _broker(config: AppConfig, broker: str | None, port: int, keyspace_url
     root = fragment_root or bundled_root
     if port_in_use(port):
         yield f"127.0.0.1:{port}", root if root.is_dir() else None
+        return
+    running = data_dir_holder(config.data_dir / "broker")
+    if running is not None:  # the app's broker, on another port than --port
+        click.echo(f"using the app's bundled broker at {running.note} (pid {running.pid})",
+                   err=True)
+        yield running.note, root
         return
     child: Child = start_bundled_broker(config, port, keyspace_url, security)
     try:

@@ -79,9 +79,9 @@ class Child:
         waits on this for its bundled broker, and a local connect attempt costs little."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}:\n"
-                                   f"{self.tail()}")
+            if self.proc.poll() is not None:  # its log says why: a user's to fix, mostly
+                raise CliError(f"{self.name} could not start ({self.exit_description()}):\n"
+                               f"{self.tail()}")
             if port_in_use(port):
                 return
             time.sleep(poll)

@@ -48,11 +48,13 @@ from streamkit.app.gc_tuning import hold_collections
 from streamkit.app.store_kinds import STORE_KINDS
 from streamkit.app.waits import first_of
 from streamkit.auth.settings import Exposed, Security
+from streamkit.broker.data_lock import data_dir_holder
 from streamkit.cli.children import Child, Supervisor, port_in_use, start_child
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command
 from streamkit.cli.logs import configure_logging
 from streamkit.cli.security_options import security_env, security_options
 from streamkit.client.environment import BROKER_ENV
+from streamkit.process_lock import Held, ProcessLock
 from streamkit.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -262,6 +264,11 @@ def spawn_bundled_broker(data_dir: Path, port: int, keyspace_url: str,
     """The bundled broker on `port` (HTTP on the next), its pid in DATA_DIR/broker.pid;
     with `security`'s keys and certificate (given through its environment). Started, not
     yet listening: its start takes a few tenths of a second, mostly imports."""
+    held = data_dir_holder(data_dir / "broker")
+    if held is not None:
+        raise CliError(f"the app's bundled broker already runs ({held.describe()}), started "
+                       f"by another command: stop it, or pass --broker {held.note} to use it",
+                       DATA_ERROR)
     if port_in_use(port) or port_in_use(port + 1):
         raise CliError(f"port {port} or {port + 1} is in use: is a broker already running? "
                        f"Pass --broker 127.0.0.1:{port} to use it, or --port to pick others",
@@ -340,6 +347,7 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
         app_config(app_dir, shards, standbys, store)  # raises, saying what is missing
     data_dir = data_dir_of(app_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
+    running = _lock_app(app_dir, data_dir, broker or f"127.0.0.1:{port}")
     keyspace_url = _keyspace_url(data_dir, keyspace)
     bundled: Supervisor | None = None
     supervising: asyncio.Task[None] | None = None
@@ -419,6 +427,21 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
         await asyncio.gather(*(asyncio.to_thread(child.stop, patience) for child in workers_))
         if bundled is not None:
             await asyncio.to_thread(bundled.child.stop)
+        running.release()
+
+
+def _lock_app(app_dir: Path, data_dir: Path, broker: str) -> ProcessLock:
+    """One `run` per app folder, held for this process's life: a second one would start a
+    second bundled broker on the app's data (refused, see broker/data_lock.py) and wait for
+    ever for its members' names, which the first one's members hold."""
+    lock = ProcessLock(data_dir / "run.lock")
+    try:
+        lock.acquire(f"broker {broker}")
+    except Held as held:
+        raise CliError(f"`streamkit run` already runs the app in {app_dir} "
+                       f"({held.held_by.describe()}): stop it first (`streamkit serve` adds a "
+                       "member to a running app)", DATA_ERROR) from None
+    return lock
 
 
 @click.command("serve")
