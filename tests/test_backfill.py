@@ -743,3 +743,61 @@ async def test_cli_plan_and_clear_errors(broker_proc: BrokerProcess, tmp_path: P
     assert "handed over 8 shards" in local.stderr and "2 local processes" in local.stderr
     results = [line.split() for line in local.stdout.splitlines() if line.startswith("shard-")]
     assert sum(int(row[1]) for row in results if row[1].isdigit()) == 50  # each line once
+
+
+POISONED_APP = '''
+
+class Poisoned(WordCount):
+    def consume_message(self, shard, store, envelope, publisher) -> None:
+        if "poison" in envelope.message["line"]:
+            raise ValueError(f"cannot count line {envelope.message['id']}")
+        super().consume_message(shard, store, envelope, publisher)
+'''
+
+
+def _poisoned_app(folder: Path, name: str, policies: str) -> Path:
+    app = copy_wordcount(folder)
+    source = (app / "app.py").read_text() + POISONED_APP
+    (app / "app.py").write_text(source.replace("wordcount/", f"{name}/"))
+    config = (app / "streamkit.yaml").read_text().replace("wordcount", name)
+    config = config.replace("app:WordCount", "app:Poisoned").replace(
+        "    key: id\n", f"    key: id\n{policies}", 1)
+    (app / "streamkit.yaml").write_text(config)
+    return app
+
+
+async def test_poison_is_passed_over_as_a_live_shard_would(broker_proc: BrokerProcess,
+                                                          tmp_path: Path) -> None:
+    """The backfill applies the sources' poison policies as the live shards do: a message
+    consume_message raises on is dead-lettered (on_consume_error: dead-letter) and a frame
+    that doesn't decode is skipped (on_undecodable: skip); under the default policy the
+    same history fails the backfill, naming the message. Before, the backfill failed on
+    the first and dropped the second silently, whatever the policies said."""
+    from streamkit.backfill.task import run_shard
+
+    lines = [{"id": i, "line": "poison pill" if i % 50 == 7 else f"w{i % 13} common"}
+             for i in range(400)]
+    expected = Counter(w for m in lines if "poison" not in m["line"] for w in m["line"].split())
+    for name, policies in (("lenient", "    on_consume_error: dead-letter\n"
+                                       "    on_undecodable: skip\n"),
+                           ("strict", "")):
+        setup = await Setup.start(_poisoned_app(tmp_path / name, name, policies), broker_proc)
+        try:
+            await publish(setup, f"{name}/lines", lines)
+            async with AppendService(setup.client) as service:  # a frame that isn't JSON
+                await (await service.append(f"{name}/lines/part-003", b"{not json\n"))
+            plan = await setup.plan()
+            if name == "strict":
+                with pytest.raises(ValueError, match="cannot count line"):
+                    for index in range(len(plan.shards)):
+                        await run_shard(plan, index)
+                continue
+            for index in range(len(plan.shards)):
+                await run_shard(plan, index)
+            assert totals_of_updates(await read_output(setup, f"{name}/counts")) == expected
+            letters = await read_journals(setup.client, [f"{name}/dead-letters"])
+            assert sorted(letter["message"]["id"] for letter in letters) == [
+                m["id"] for m in lines if "poison" in m["line"]]
+            assert {letter["cause"] for letter in letters} == {"consume-error"}
+        finally:
+            await setup.close()

@@ -31,7 +31,7 @@ from streamkit.message.message import Envelope, Message, MessageLike
 from streamkit.message.reader import ReadUncommitted, journal_framing
 from streamkit.message.sequencer import QueueOutcome, Sequencer
 
-__all__ = ["BadFrame", "SourceInput"]
+__all__ = ["BadFrame", "PassingBadFrames", "SourceInput"]
 
 _REPLAY = QueueOutcome.ACK_COMMIT_REPLAY
 
@@ -200,7 +200,7 @@ class SourceInput:
         try:
             if pass_bad_frames and isinstance(reader, ReadUncommitted):
                 framing = reader.framing or await journal_framing(self.client, reader.journal)
-                reader.framing = _PassingBadFrames(framing)
+                reader.framing = PassingBadFrames(framing)
             while True:
                 batch = await reader.read_batch()
                 head = getattr(reader, "write_head", None)
@@ -239,7 +239,7 @@ class BadFrame(Message):
     error: FrameError
 
 
-class _PassingBadFrames:
+class PassingBadFrames:
     """A framing whose decoders pass bad frames on, in order, as BadFrame envelopes.
 
     Readers in general log a bad frame and skip it; a shard must not: its

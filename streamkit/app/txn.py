@@ -43,7 +43,6 @@ had not yet changed its state for it (see docs/concepts/messages.md).
 from __future__ import annotations
 
 import asyncio
-import base64
 import functools
 import inspect
 import logging
@@ -51,19 +50,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import orjson
-
 from streamkit.app.application import Application, batch_hook
 from streamkit.app.checkpoints import build_checkpoint
-from streamkit.app.config import (
-    DEAD_LETTER,
-    DEAD_LETTERS_LABEL,
-    FAIL,
-    ON_CONSUME_ERROR_LABEL,
-    ON_UNDECODABLE_LABEL,
-    SKIP,
-)
-from streamkit.app.metrics import ShardMetrics, count_skipped, shard_metrics
+from streamkit.app.metrics import ShardMetrics, shard_metrics
+from streamkit.app.poison import PoisonGate, PoisonPolicies, UnskippableFrame
 from streamkit.app.publishing import ShardPublisher
 from streamkit.app.shard import Shard
 from streamkit.app.sources import BadFrame, SourceInput
@@ -71,9 +61,7 @@ from streamkit.app.txn_clock import MONOTONIC, TxnClock
 from streamkit.app.watchdog import HookRecord
 from streamkit.client.append_service import AppendService, OpFuture
 from streamkit.errors import StreamkitError
-from streamkit.message.framings.json_lines import CONTENT_TYPE as NDJSON
-from streamkit.message.framings.json_lines import JsonLinesFraming
-from streamkit.message.message import Envelope, MessageLike
+from streamkit.message.message import Envelope
 from streamkit.protocol import consumer_pb
 from streamkit.stores.store import Store
 
@@ -130,63 +118,6 @@ async def reappend_ack_intents(shard: Shard, cp: consumer_pb.Checkpoint) -> None
     """`queue_ack_intents`, and wait until they are written."""
     for future in queue_ack_intents(shard, cp):
         await future
-
-
-class UnskippableFrame(StreamkitError, ValueError):
-    """A bad frame whose source says skip or dead-letter, but whose end is unknown."""
-
-
-# The streamkit.yaml field each policy label stands for (for messages).
-_SETTINGS = {ON_UNDECODABLE_LABEL: "on_undecodable", ON_CONSUME_ERROR_LABEL: "on_consume_error"}
-_JSON = JsonLinesFraming()
-
-
-class PoisonPolicies:
-    """What a shard does with its sources' poison messages, from its spec's labels.
-
-    The labels name topics (`<topic>:<policy>`); a journal `<topic>/part-NNN`
-    follows its topic's policy, and any other journal fails (the default).
-    A bad label is a ValueError, failing the shard before it reads anything.
-    """
-
-    def __init__(self, spec: consumer_pb.ShardSpec) -> None:
-        self._by_topic: dict[tuple[str, str], str] = {}
-        self.dead_letters = ""  # the journal dead letters go to
-        for label in spec.labels.labels:
-            if label.name == DEAD_LETTERS_LABEL:
-                self.dead_letters = label.value
-            elif label.name in _SETTINGS:
-                topic, _, policy = label.value.rpartition(":")
-                if not topic or policy not in (SKIP, DEAD_LETTER):
-                    raise ValueError(
-                        f"shard {spec.id}: label {label.name}={label.value} is not "
-                        f"<topic>:{SKIP} or <topic>:{DEAD_LETTER}"
-                    )
-                self._by_topic[label.name, topic] = policy
-        if DEAD_LETTER in self._by_topic.values() and not self.dead_letters:
-            raise ValueError(
-                f"shard {spec.id}: a source dead-letters but the spec has no "
-                f"{DEAD_LETTERS_LABEL} label naming where to"
-            )
-
-    def of(self, journal: str, label: str) -> str:
-        """The policy (`label`: ON_UNDECODABLE_LABEL or ON_CONSUME_ERROR_LABEL) of a journal."""
-        return self._by_topic.get((label, journal.rpartition("/")[0]), FAIL)
-
-    @property
-    def passes_over_consume_errors(self) -> bool:
-        """Whether some source skips or dead-letters a message consume_message raised on."""
-        return any(label == ON_CONSUME_ERROR_LABEL for label, _ in self._by_topic)
-
-
-def _as_json(message: MessageLike) -> Any:
-    """A decoded message as JSON (as the JSON framing would write it), for a dead letter."""
-    out = bytearray()
-    try:
-        _JSON.encode(message, out)
-        return orjson.loads(out)
-    except (TypeError, ValueError):  # a dict with values JSON can't hold
-        return repr(message)
 
 
 class TransactionFailed(StreamkitError):
@@ -268,8 +199,7 @@ class TransactionLoop:
         self._run_limit = _CHECK_EVERY if batch is None else _BATCH
         self.hooks.consume_hook = "consume_message" if batch is None else "consume_messages"
         self.hooks.consume_async = self._async_consume if batch is None else self._async_batch
-        dead_letters = self.policies.dead_letters
-        self._to_dead_letters = lambda _message: (dead_letters, NDJSON)
+        self._poison = PoisonGate(shard.id, self.policies, publisher)
         self._begin_txn = self._marked("begin_txn")
         self._finalize = self._marked("finalize_txn")
         self._finished = self._marked("finished_txn")
@@ -534,62 +464,10 @@ class TransactionLoop:
 
     def _pass_over_or_fail(self, env: Envelope, error: Exception) -> None:
         """A poison message: pass over it as its source's policy says, or fail naming it."""
-        if not self._pass_over(env, error):
+        if not self._poison.pass_over(env, error):
             phase = "read" if type(env.message) is BadFrame else "consume_message"
             raise TransactionFailed(self.shard.id, self._number, phase, error) from error
         self._skipped += 1
-
-    def _pass_over(self, env: Envelope, error: Exception) -> bool:
-        """Skip or dead-letter a poison message, as its source's policy says; False: fail.
-
-        Only a frame whose end is known can be skipped: otherwise good messages
-        might go with it, and UnskippableFrame fails the transaction instead.
-        """
-        bad = env.message if type(env.message) is BadFrame else None
-        label = ON_UNDECODABLE_LABEL if bad is not None else ON_CONSUME_ERROR_LABEL
-        policy = self.policies.of(env.journal, label)
-        if policy == FAIL:
-            return False
-        setting = f"{_SETTINGS[label]}: {policy}"
-        letter: dict[str, Any] = {
-            "shard": self.shard.id,
-            "journal": env.journal,
-            "offset": env.begin,
-            "end": env.end,
-        }
-        if bad is not None:
-            if bad.error.frame is None or not bad.error.skippable:
-                raise UnskippableFrame(
-                    f"{error}; {setting} can't pass it: the framing can't tell where this "
-                    "frame ends (it resynchronizes by scanning), so good messages might be "
-                    "skipped with it"
-                ) from error
-            cause, reason = "undecodable", bad.error.reason
-            letter |= {
-                "cause": cause,
-                "error": reason,
-                "raw": base64.b64encode(bad.error.frame).decode(),
-            }
-        else:
-            cause, reason = "consume-error", f"{type(error).__name__}: {error}"
-            letter |= {"cause": cause, "error": reason, "message": _as_json(env.message)}
-        done = "skipped"
-        if policy == DEAD_LETTER:
-            self.publisher.publish(self._to_dead_letters, letter)
-            done = f"dead-lettered to {self.policies.dead_letters}"
-        what = "undecodable" if bad is not None else "consume_message raised"
-        log.warning(
-            "shard %s: %s the message of %s at offset %d (%s): %s: %s",
-            self.shard.id,
-            done,
-            env.journal,
-            env.begin,
-            setting,
-            what,
-            reason,
-        )
-        count_skipped(self.shard.id, env.journal, cause, policy)
-        return True
 
     async def _acknowledged(
         self,

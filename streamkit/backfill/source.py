@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from pathlib import Path
 from uuid import UUID
 
+from streamkit.app.sources import PassingBadFrames
 from streamkit.backfill.errors import BackfillError
 from streamkit.backfill.plan import JournalPlan, Segment
 from streamkit.client import BrokerClient, BrokerError, FragmentError, RetryReader, open_fragment
@@ -47,7 +48,9 @@ class JournalReader:
         self.message_type = message_type
         self.client = client
         self.fragment_root = fragment_root
-        self.framing = framing_for(plan.content_type)
+        # Bad frames come out as BadFrame envelopes, for the shard's policy to fail, skip or
+        # dead-letter them as a live shard does (a plain decoder would log and drop them).
+        self.framing = PassingBadFrames(framing_for(plan.content_type))
         self.bytes_direct = 0
         self.bytes_via_broker = 0
 

@@ -52,8 +52,10 @@ from streamkit.app.checkpoints import build_checkpoint, producer_states, start_o
 from streamkit.app.config import AppConfig
 from streamkit.app.gc_tuning import tune_for_throughput
 from streamkit.app.loader import forget_app_modules
+from streamkit.app.poison import PoisonGate, PoisonPolicies
 from streamkit.app.publishing import ShardPublisher
 from streamkit.app.shard import Shard
+from streamkit.app.sources import BadFrame
 from streamkit.app.store_kinds import build_store, records_to_log
 from streamkit.app.txn import awaitable_hook, reappend_ack_intents
 from streamkit.backfill.errors import BackfillError
@@ -139,7 +141,11 @@ class TransactionRunner:
         self._finalize = awaitable_hook(app.finalize_txn)
         self._finished = awaitable_hook(app.finished_txn)
         self._async_consume = inspect.iscoroutinefunction(app.consume_message)
-        self._batch = batch_hook(app)
+        # Poison messages are passed over as the live shard would (app.poison); a source
+        # that passes over consume errors needs consume_message, one message at a time.
+        policies = PoisonPolicies(shard.spec)
+        self._poison = PoisonGate(shard.id, policies, publisher)
+        self._batch = None if policies.passes_over_consume_errors else batch_hook(app)
 
     async def run(self, batches: AsyncIterator[list[Envelope]]) -> consumer_pb.Checkpoint:
         """Consume every batch, then commit the last transaction; the final Checkpoint.
@@ -200,20 +206,27 @@ class TransactionRunner:
         return self.checkpoint
 
     async def _consume(self, envelopes: list[Envelope]) -> None:
-        """The app's batch hook over `envelopes`, or consume_message for each."""
+        """The app's batch hook over `envelopes`, or consume_message for each, passing over
+        poison messages as their sources' policies say. (A bad frame comes alone: runs in
+        bulk hold dict messages only.)"""
         shard, store, publisher = self.shard, self.store, self.publisher
-        if self._batch is not None:
+        if self._batch is not None and type(envelopes[0].message) is not BadFrame:
             result = self._batch(shard, store, envelopes, publisher)
             if inspect.isawaitable(result):
                 await result
             return
-        consume = self.app.consume_message
-        if self._async_consume:
-            for env in envelopes:
-                await consume(shard, store, env, publisher)
-        else:
-            for env in envelopes:
-                consume(shard, store, env, publisher)
+        consume, is_async = self.app.consume_message, self._async_consume
+        for env in envelopes:
+            try:
+                if type(env.message) is BadFrame:
+                    raise env.message.error
+                if is_async:
+                    await consume(shard, store, env, publisher)
+                else:
+                    consume(shard, store, env, publisher)
+            except Exception as error:
+                if not self._poison.pass_over(env, error):
+                    raise
 
     async def _start_txn(self) -> None:
         self._deadline = time.monotonic() + self.max_duration
