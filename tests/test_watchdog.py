@@ -191,6 +191,8 @@ async def test_query_timeout_names_the_shard_that_does_not_answer(
             cli, "query", str(app), '{"word": "w1"}', "--timeout", "1", timeout=LIVENESS)
         assert result.returncode == 1, result.stderr
         assert "shard-000" in result.stderr and "within 1s" in result.stderr, result.stderr
+        # The app runs (its hook is what hangs): no hint that it might not.
+        assert "is the app running" not in result.stderr, result.stderr
         code = await asyncio.to_thread(_exit_code, run)
         assert code == 1, run.log()
         assert "is stuck in query since" in run.text(), run.log()

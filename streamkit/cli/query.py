@@ -49,9 +49,13 @@ def _ask(primary: Primary, request: dict[str, Any], timeout: float,
                        "(is a hook of the app stuck? see the member's log)") from None
     except OSError as err:
         if isinstance(getattr(err, "reason", None), TimeoutError):  # timed out connecting
-            raise CliError(f"shard {primary.shard}: cannot reach {url} within "
-                           f"{timeout:g}s") from None
-        raise CliError(f"shard {primary.shard}: cannot reach {url}: {err}") from None
+            raise Unreachable(f"shard {primary.shard}: cannot reach {url} within "
+                              f"{timeout:g}s") from None
+        raise Unreachable(f"shard {primary.shard}: cannot reach {url}: {err}") from None
+
+
+class Unreachable(CliError):
+    """A shard's member could not be reached (rather than answering with an error)."""
 
 
 @click.command("query")
@@ -112,8 +116,12 @@ async def query(app_dir: Path, request: str, key: str | None, shard: str | None,
             by_shard[shard_id] = result
     if not by_shard:
         reasons = "; ".join(f"{s}: {why}" for s, why in failures.items())
-        raise CliError(f"no shard answered ({reasons}): is the app running "
-                       f"(streamkit run {app_dir})?")
+        # Asking whether the app runs only helps when a shard was out of reach: an error the
+        # app's query hook raised comes from a running app.
+        reached = len(asked) == len(wanted) and not any(
+            isinstance(r, Unreachable) for r in results)
+        raise CliError(f"no shard answered ({reasons})" + (
+            "" if reached else f": is the app running (streamkit run {app_dir})?"))
     answer = by_shard[shard] if shard is not None else app_class().combine_answers(by_shard)
     click.echo(json.dumps(answer, indent=None if isinstance(answer, int | float | str)
                           else 2, default=str))
