@@ -42,6 +42,7 @@ import shutil
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -309,10 +310,14 @@ def _own_keys(config: AppConfig, shard_plan: ShardPlan, spec: consumer_pb.ShardS
     own = {topic: next(s.journal for s in spec.sources if s.journal.startswith(f"{topic}/part-"))
            for topic in topics}
 
+    partitions = {topic: config.topic_journals(topic) for topic in topics}
+
     def keep(env: Envelope) -> bool:
         topic = rekey.get(env.journal)
         if topic is None:
             return True
+        if type(env.message) is BadFrame:  # no key: one shard has it, by where it was
+            return own[topic] == _partition_of_place(env.journal, partitions[topic])
         try:
             journal, _ = routes[topic](env.message)
         except Exception as error:
@@ -323,6 +328,14 @@ def _own_keys(config: AppConfig, shard_plan: ShardPlan, spec: consumer_pb.ShardS
         return journal == own[topic]
 
     return keep
+
+
+def _partition_of_place(journal: str, partitions: list[str]) -> str:
+    """The partition (of the new layout) that a keyless frame of `journal` goes to: the one of
+    the same index, modulo their count (a name without an index: by its checksum)."""
+    suffix = journal.rpartition("-")[2]
+    index = int(suffix) if suffix.isdigit() else zlib.crc32(journal.encode())
+    return partitions[index % len(partitions)]
 
 
 def _shard(plan: BackfillPlan, shard_plan: ShardPlan, client: BrokerClient, app_dir: Path,
