@@ -436,3 +436,13 @@ def totals_of_updates(updates: list[dict[str, Any]]) -> Counter[str]:
     for (_, word), count in latest.items():
         totals[word] += count
     return totals
+
+
+# A WordCount that raises on lines holding "poison" (a test's poison messages).
+POISONED = """
+class Poisoned(WordCount):
+    def consume_message(self, shard, store, envelope, publisher) -> None:
+        if "poison" in envelope.message["line"]:
+            raise ValueError(f"cannot count line {envelope.message['id']}")
+        super().consume_message(shard, store, envelope, publisher)
+"""

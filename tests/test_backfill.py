@@ -51,7 +51,7 @@ from streamkit.protocol import consumer_pb, pb
 from streamkit.testing import read_journals
 from tests.brokerproc import BrokerProcess
 from tests.conftest import unavailable
-from tests.e2e import totals_of_updates
+from tests.e2e import POISONED, totals_of_updates
 from tests.test_wordcount import generate_lines
 from tests.waiting import eventually
 
@@ -745,19 +745,9 @@ async def test_cli_plan_and_clear_errors(broker_proc: BrokerProcess, tmp_path: P
     assert sum(int(row[1]) for row in results if row[1].isdigit()) == 50  # each line once
 
 
-POISONED_APP = '''
-
-class Poisoned(WordCount):
-    def consume_message(self, shard, store, envelope, publisher) -> None:
-        if "poison" in envelope.message["line"]:
-            raise ValueError(f"cannot count line {envelope.message['id']}")
-        super().consume_message(shard, store, envelope, publisher)
-'''
-
-
 def _poisoned_app(folder: Path, name: str, policies: str) -> Path:
     app = copy_wordcount(folder)
-    source = (app / "app.py").read_text() + POISONED_APP
+    source = (app / "app.py").read_text() + "\n" + POISONED
     (app / "app.py").write_text(source.replace("wordcount/", f"{name}/"))
     config = (app / "streamkit.yaml").read_text().replace("wordcount", name)
     config = config.replace("app:WordCount", "app:Poisoned").replace(

@@ -21,6 +21,7 @@ from streamkit.app.member import deploy
 from streamkit.app.member_http import http_url
 from tests.brokerproc import BrokerProcess
 from tests.e2e import (
+    POISONED,
     AppView,
     Code,
     Feeder,
@@ -189,13 +190,6 @@ class Slow(WordCount):
         super().consume_message(shard, store, envelope, publisher)
 """
 
-POISONED = """
-class Poisoned(WordCount):
-    def consume_message(self, shard, store, envelope, publisher) -> None:
-        if "poison" in envelope.message["line"]:
-            raise ValueError(f"cannot count line {envelope.message['id']}")
-        super().consume_message(shard, store, envelope, publisher)
-"""
 
 
 def _app_variant(app: Path, name: str, source: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -26,13 +27,14 @@ from streamkit.app.config import (
 from streamkit.app.metrics import count_skipped
 from streamkit.app.publishing import ShardPublisher
 from streamkit.app.sources import BadFrame
+from streamkit.app.watchdog import HookRecord
 from streamkit.errors import StreamkitError
 from streamkit.message.framings.json_lines import CONTENT_TYPE as NDJSON
 from streamkit.message.framings.json_lines import JsonLinesFraming
 from streamkit.message.message import Envelope, MessageLike
 from streamkit.protocol import consumer_pb
 
-__all__ = ["PoisonGate", "PoisonPolicies", "UnskippableFrame"]
+__all__ = ["PoisonGate", "PoisonPolicies", "UnskippableFrame", "consume_each"]
 
 log = logging.getLogger(__name__)
 
@@ -154,3 +156,28 @@ class PoisonGate:
         )
         count_skipped(self.shard_id, env.journal, cause, policy)
         return True
+
+
+async def consume_each(app: Any, shard: Any, store: Any, publisher: ShardPublisher,
+                       envelopes: list[Envelope], is_async: bool,
+                       on_poison: Callable[[Envelope, Exception], None],
+                       hooks: HookRecord | None = None) -> None:
+    """consume_message for each envelope, a bad frame or a message it raised on going to
+    `on_poison` (which passes over it, or raises). `hooks` marks the message being consumed,
+    for a live shard's watchdog."""
+    consume = app.consume_message
+    for env in envelopes:
+        if hooks is not None:
+            hooks.current = env
+        try:
+            if type(env.message) is BadFrame:
+                raise env.message.error
+            if is_async:
+                await consume(shard, store, env, publisher)
+            else:
+                consume(shard, store, env, publisher)
+        except Exception as error:
+            on_poison(env, error)
+        finally:
+            if hooks is not None:
+                hooks.current = None

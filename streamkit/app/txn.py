@@ -53,7 +53,7 @@ from typing import Any
 from streamkit.app.application import Application, batch_hook
 from streamkit.app.checkpoints import build_checkpoint
 from streamkit.app.metrics import ShardMetrics, shard_metrics
-from streamkit.app.poison import PoisonGate, PoisonPolicies, UnskippableFrame
+from streamkit.app.poison import PoisonGate, PoisonPolicies, UnskippableFrame, consume_each
 from streamkit.app.publishing import ShardPublisher
 from streamkit.app.shard import Shard
 from streamkit.app.sources import BadFrame, SourceInput
@@ -372,21 +372,8 @@ class TransactionLoop:
 
     async def _consume_each(self, run: list[Envelope]) -> None:
         """consume_message for each envelope of `run`, passing over poison ones by policy."""
-        shard, store, publisher, hooks = self.shard, self.store, self.publisher, self.hooks
-        consume, async_consume = self.app.consume_message, self._async_consume
-        for env in run:
-            hooks.current = env  # the watchdog's mark: consuming this message
-            try:
-                if type(env.message) is BadFrame:
-                    raise env.message.error
-                if async_consume:
-                    await consume(shard, store, env, publisher)
-                else:
-                    consume(shard, store, env, publisher)
-            except Exception as error:
-                self._pass_over_or_fail(env, error)
-            finally:
-                hooks.current = None
+        await consume_each(self.app, self.shard, self.store, self.publisher, run,
+                           self._async_consume, self._pass_over_or_fail, self.hooks)
 
     async def _consume_batch(self, run: list[Envelope]) -> None:
         """The batch hook over `run`; if it raises, the transaction fails (nothing is skipped)."""

@@ -53,7 +53,7 @@ from streamkit.app.checkpoints import build_checkpoint, producer_states, start_o
 from streamkit.app.config import AppConfig
 from streamkit.app.gc_tuning import tune_for_throughput
 from streamkit.app.loader import forget_app_modules
-from streamkit.app.poison import PoisonGate, PoisonPolicies
+from streamkit.app.poison import PoisonGate, PoisonPolicies, consume_each
 from streamkit.app.publishing import ShardPublisher
 from streamkit.app.shard import Shard
 from streamkit.app.sources import BadFrame
@@ -216,18 +216,12 @@ class TransactionRunner:
             if inspect.isawaitable(result):
                 await result
             return
-        consume, is_async = self.app.consume_message, self._async_consume
-        for env in envelopes:
-            try:
-                if type(env.message) is BadFrame:
-                    raise env.message.error
-                if is_async:
-                    await consume(shard, store, env, publisher)
-                else:
-                    consume(shard, store, env, publisher)
-            except Exception as error:
-                if not self._poison.pass_over(env, error):
-                    raise
+        await consume_each(self.app, shard, store, publisher, envelopes, self._async_consume,
+                           self._pass_over_or_fail)
+
+    def _pass_over_or_fail(self, env: Envelope, error: Exception) -> None:
+        if not self._poison.pass_over(env, error):
+            raise error
 
     async def _start_txn(self) -> None:
         self._deadline = time.monotonic() + self.max_duration
