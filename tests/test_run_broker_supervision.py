@@ -278,3 +278,43 @@ async def test_one_run_and_one_broker_per_app(tmp_path: Path) -> None:
     finally:
         for proc in [*others, run]:
             proc.stop()
+
+
+def _workers_of(app: Path) -> list[int]:
+    """Pids of the `streamkit serve` workers of `app` (by their command lines)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and _alive(int(proc.name)):
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"serve" in argv and str(app).encode() in argv:
+                found.append(int(proc.name))
+    return found
+
+
+async def test_workers_of_a_killed_run_go_at_once(tmp_path: Path) -> None:
+    """SIGKILL `run --workers 2` mid catch-up: its bundled broker goes with it, and its worker
+    stops (the parent-death signal) without waiting on that broker (it lingered ~40 s,
+    flushing its recorders to nobody); a new run counts every line once."""
+    app = copy_wordcount(tmp_path / "wordcount")
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    run = _run_bundled(app, port, tmp_path / "run-1.log", "--workers", "2")
+    try:
+        async with AppView(app, address) as view:
+            await view.wait_serving(timeout=60)
+            ids = Feeder(app, address, tmp_path / "feed.log", count=1500, batch=100,
+                         interval=0).start().finish()
+            workers = _workers_of(app)
+            assert len(workers) == 1, workers
+            run.kill()
+            killed = time.monotonic()
+            await eventually(lambda: not _alive(workers[0]), timeout=15,
+                             what="the worker of the killed run to stop", interval=0.05)
+            print(f"worker gone {time.monotonic() - killed:.2f}s after the kill")
+            run = _run_bundled(app, port, tmp_path / "run-2.log", "--workers", "2")
+            await _check_exact(view, ids)
+    finally:
+        run.stop()

@@ -467,7 +467,9 @@ class Replica:
             await self._closing("destroying its store", store.destroy())
         if self._fs is not None:
             fs, self._fs = self._fs, None
-            await self._closing("closing its recorder", fs.recorder.close())
+            # No flush: what it committed is in the log already (a commit waits for its
+            # ops), the rest is a crash's leftovers; and a broker gone would hold it up.
+            await self._closing("closing its recorder", fs.recorder.close(flush=False))
         await self._closing("closing its appends", self.shard.appends.close(flush=False))
         shutil.rmtree(self.shard.work_dir, ignore_errors=True)
 

@@ -220,6 +220,13 @@ def _exit_stuck(stuck: list[Stuck], children: Callable[[], list[Child]] = list) 
     os._exit(1)
 
 
+def _orphan_aware(parent: int) -> Callable[[], float]:
+    """The stop timeout of a worker of `run` (pid `parent`): quick once `run` is gone. A
+    killed `run` took its bundled broker along, so commits can't land; the parent-death
+    signal that stops the worker would otherwise have it wait out the usual time."""
+    return lambda: _QUICK_STOP if os.getppid() != parent else _stop_timeout()
+
+
 def _stop_signals() -> tuple[signal.Signals, ...]:
     """What stops a run gracefully: Ctrl-C, SIGTERM, and a hang-up (its terminal or SSH
     session went away: the shards commit and hand over rather than die mid-transaction),
@@ -298,7 +305,7 @@ def _start_worker(index: int, app_dir: Path, broker: str, keyspace_url: str,
     KeySpace and command-line overrides (it loads streamkit.yaml as this process does)."""
     args = ["serve", str(app_dir), "--broker", broker, "--keyspace", keyspace_url,
             "--suffix", f"worker-{index}", "--log-level", log_level,
-            "--expect-members", str(workers)]
+            "--expect-members", str(workers), "--worker-of-run"]
     for option, value in overrides.items():
         if value is not None:
             args += [f"--{option}", str(value)]
@@ -479,12 +486,15 @@ def _lock_app(app_dir: Path, data_dir: Path, broker: str) -> ProcessLock:
 @click.option("--expect-members", type=click.IntRange(1, 64), default=1, hidden=True,
               help="Members started together (run's workers): the first assignment waits "
                    "for them (at most 10 s).")
+@click.option("--worker-of-run", is_flag=True, hidden=True,
+              help="Started by `streamkit run`: once it is gone (killed), stop quickly.")
 @security_options(serves=True, dials=True)
 @async_command(interrupt_exit=0)
 async def serve(app_dir: Path, broker: str, keyspace: str | None, shards: int | None,
                 suffix: str | None, zone: str, lease_ttl: float, store: str | None,
                 file_root: Path | None, host: str, port: int, advertise: str | None,
-                log_level: str, expect_members: int, security: Security) -> None:
+                log_level: str, expect_members: int, worker_of_run: bool,
+                security: Security) -> None:
     """Run one member process of APP_DIR's shards until SIGTERM or Ctrl-C.
 
     Beyond loopback (--host 0.0.0.0, say) it needs --auth-keys (or client
@@ -514,5 +524,7 @@ async def serve(app_dir: Path, broker: str, keyspace: str | None, shards: int | 
         async with _member(config, app_class, client, ks, suffix=suffix, zone=zone,
                            lease_ttl=lease_ttl, broker_file_root=file_root, security=security,
                            host=host, port=port, advertise=advertise,
-                           expect_members=expect_members) as member:
+                           expect_members=expect_members,
+                           stop_timeout=_orphan_aware(os.getppid()) if worker_of_run
+                           else _stop_timeout) as member:
             await _until_signalled(member=member)

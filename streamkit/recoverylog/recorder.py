@@ -103,15 +103,18 @@ class Recorder:
         else:
             self.write_head = write_head
 
-    async def close(self) -> None:
+    async def close(self, flush: bool = True) -> None:
         """Flush queued ops (raising a failure) and stop the dispatch task.
 
         Whatever is still queued once the task stopped (close was cancelled, or
         ops were recorded after its flush) fails with RecorderClosed, as does
-        every later record call: nobody is left to append them.
+        every later record call: nobody is left to append them. Without `flush`
+        nothing more is appended (not even the flush's fence check): for a
+        replica letting go, whose ops past its last commit are as disposable as
+        a crash would leave them, and whose broker may be gone.
         """
         try:
-            if self._error is None:
+            if self._error is None and flush:
                 await self.barrier()
         finally:
             if self._task is not None:
