@@ -539,6 +539,32 @@ class SlowQuery(Gated):
         return _get(store, request["word"])
 
 
+class NotANumber(Gated):
+    def query(self, shard: Any, store: Any, request: dict[str, Any]) -> Any:
+        return {"ratio": float("nan")}
+
+
+async def test_an_answer_that_is_not_json_is_an_error(shared_broker: Any,
+                                                      tmp_path: Path) -> None:
+    """NaN is no JSON: the member answers a query whose answer holds one with an error
+    naming why (it printed `NaN`, which JSON clients can't read), and serves on."""
+    from streamkit.app.http_site import _answer
+
+    async with BrokerClient(shared_broker.address) as client:
+        base = unique_name("app")
+        journals = await _journals(client, base, 1)
+        specs = _specs(base, journals["inputs"])
+        service = Service(_runtime(NotANumber, client, tmp_path, journals["outputs"], "rocksdb"))
+        try:
+            await service.assign(specs, {sid: 0 for sid in specs})
+            await _publish_lines(client, journals["inputs"], ["a"])
+            await _wait_processed(service, client, journals["inputs"])
+            status, text = await _answer(service.replicas["shard-000"], {})
+            assert status == 500 and "not JSON" in text and "float" in text, (status, text)
+        finally:
+            await service.stop()
+
+
 async def test_a_replica_names_the_hook_it_runs(shared_broker: Any, tmp_path: Path) -> None:
     """What a timed-out query's 503 names: a query running in a committed view (beside
     the transaction), else the transaction loop's hook."""

@@ -143,8 +143,8 @@ async def _answer(replica: Replica, body: dict[str, Any]) -> tuple[int, str]:
     except Exception as err:
         log.warning("query of shard %s failed: %s: %s", replica.id, type(err).__name__, err)
         return 500, f"query failed: {type(err).__name__}: {err}"
-    try:
-        return 200, json.dumps(answer)
+    try:  # NaN and infinities aren't JSON: clients would choke on them
+        return 200, json.dumps(answer, allow_nan=False)
     except (TypeError, ValueError) as err:
         return 500, f"the query's answer is not JSON-serializable: {err}"
 
