@@ -24,8 +24,9 @@ from streamkit.app.config import load_config
 from streamkit.app.layout import LayoutError, read_layout
 from streamkit.app.member import Member, MemberOptions
 from streamkit.backfill.reshard import RETIRED_LABEL
-from streamkit.client import append_bytes, get_journal
+from streamkit.client import append_bytes, get_journal, write_head
 from streamkit.client.errors import BrokerError
+from streamkit.client.reader import read_write_head
 from streamkit.protocol import pb
 from tests.brokerproc import BrokerProcess
 from tests.conftest import unavailable
@@ -185,6 +186,9 @@ async def test_tally_resharded_2_to_8_to_3_keeps_every_key_exact_in_one_shard(
             (RETIRED_LABEL, "events")}
         with pytest.raises(BrokerError):  # a publisher still routing there fails loudly
             await append_bytes(setup.client, "events/part-005", b'{"key": "x"}\n')
+        # Its write head is still known (a plan reads it: a zero-byte append is refused).
+        head = await write_head(setup.client, "events/part-005")
+        assert head > 0 and head == await read_write_head(setup.client, "events/part-005")
     finally:
         await setup.close()
 
@@ -233,3 +237,34 @@ async def test_resharding_refuses_what_it_cannot_do(broker_proc: BrokerProcess,
     keyless = await asyncio.to_thread(reshard, app, broker_proc, 4)
     assert keyless.returncode == 1
     assert "source topic 'events' has no key" in keyless.stderr
+
+
+async def test_a_failed_reshard_can_be_taken_back(broker_proc: BrokerProcess,
+                                                  tmp_path: Path) -> None:
+    """A reshard whose backfill failed (the app raised on an event) leaves the app
+    resharding, with the partitions beyond the new count retired (read-only). A backfill
+    back to the count it had finishes the reshard there: the plan reads the retired
+    partitions' heads without appending (it failed with NOT_ALLOWED), they serve again,
+    and the tally is exact."""
+    app = write_tally(tmp_path / "tally", 4)
+    sent = events(0, 400)
+    await publish_to(app, broker_proc, "events", sent)
+    check_tally(app, await run_live(app, broker_proc, "live-4"), sent)
+
+    (app / "app.py").write_text(TALLY_APP.replace(
+        "        event = envelope.message\n",
+        "        event = envelope.message\n"
+        "        if event['seq'] == 123:\n"
+        "            raise ValueError('seq 123 is poison')\n"))
+    set_shards(app, 2)
+    failed = await asyncio.to_thread(reshard, app, broker_proc, 2)
+    assert failed.returncode == 1 and "seq 123 is poison" in failed.stderr, failed.stderr
+
+    (app / "app.py").write_text(TALLY_APP)
+    set_shards(app, 4)
+    back = await asyncio.to_thread(reshard, app, broker_proc, 4)
+    assert back.returncode == 0, back.stderr
+    more = events(400, 200)
+    await publish_to(app, broker_proc, "events", more)  # to all 4 partitions again
+    sent += more
+    check_tally(app, await run_live(app, broker_proc, "live-4-again"), sent)

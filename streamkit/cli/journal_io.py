@@ -42,10 +42,10 @@ from streamkit.client import (
     OffsetJump,
     OffsetNotYetAvailable,
     OpFuture,
-    Reader,
     RetryReader,
 )
 from streamkit.client.appender import CHUNK_SIZE, append_with_retries
+from streamkit.client.reader import read_write_head
 from streamkit.message.framing import UnknownFraming
 from streamkit.message.message import MessageLike
 from streamkit.message.reader import ReadCommitted, ReadUncommitted, journal_framing
@@ -311,19 +311,10 @@ class _MessageCopy:
 
 
 async def write_head(client: BrokerClient, journal: str) -> int:
-    """Where the next append to `journal` will land, asked with a metadata-only read.
-
-    A tailing read starts here rather than at offset -1, so that the offset it
-    reports is a real one even if nothing arrives before it is stopped.
-    """
-    reader = Reader(client, pb.ReadRequest(journal=journal, offset=-1, metadata_only=True))
-    try:
-        await reader.read()
-    except OffsetNotYetAvailable:
-        pass  # the expected answer at the head; it carries write_head
-    finally:
-        reader.close()
-    return reader.response.write_head
+    """Where the next append to `journal` will land (a metadata-only read). A tailing read
+    starts here rather than at offset -1, so that the offset it reports is a real one even
+    if nothing arrives before it is stopped."""
+    return await read_write_head(client, journal)
 
 
 def load_offsets(path: Path | None) -> dict[str, int]:

@@ -23,6 +23,7 @@ from streamkit.auth.tokens import Capability
 from streamkit.client.broker_client import BrokerClient
 from streamkit.client.errors import (
     Backoff,
+    NotAllowed,
     ProtocolError,
     check_status,
     describe,
@@ -251,6 +252,13 @@ async def append_bytes(
 
 async def write_head(client: BrokerClient, journal: str) -> int:
     """The journal's current write head, from a zero-byte append (a barrier: every append
-    acknowledged before it is below the returned offset)."""
-    response = await append_with_retries(client, journal, lambda: ())
+    acknowledged before it is below the returned offset). A read-only journal (a partition
+    retired by a reshard) refuses appends: nothing can be in flight there, so a
+    metadata-only read gives its final head."""
+    try:
+        response = await append_with_retries(client, journal, lambda: ())
+    except NotAllowed:
+        from streamkit.client.reader import read_write_head
+
+        return await read_write_head(client, journal)
     return response.commit.end

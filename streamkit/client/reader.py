@@ -31,7 +31,7 @@ from streamkit.client.fragment_reader import FragmentReader, open_fragment
 from streamkit.protocol import pb
 from streamkit.protocol.codecs import CodecError
 
-__all__ = ["Reader", "RetryReader"]
+__all__ = ["Reader", "RetryReader", "read_write_head"]
 
 log = logging.getLogger(__name__)
 
@@ -308,3 +308,17 @@ def _retryable(exc: BaseException) -> bool:
         return True
     return isinstance(exc, OSError) and not isinstance(exc, CodecError)
 
+
+async def read_write_head(client: BrokerClient, journal: str) -> int:
+    """Where the next append to `journal` will land, asked with a metadata-only read (no
+    barrier, unlike a zero-byte append; but it works on a read-only journal too)."""
+    from streamkit.client.errors import OffsetNotYetAvailable
+
+    reader = Reader(client, pb.ReadRequest(journal=journal, offset=-1, metadata_only=True))
+    try:
+        await reader.read()
+    except OffsetNotYetAvailable:
+        pass  # the expected answer at the head; it carries write_head
+    finally:
+        reader.close()
+    return reader.response.write_head
