@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from streamkit.errors import StreamkitError
+
 __all__ = ["Held", "Holder", "ProcessLock", "holder"]
 
 
@@ -29,7 +31,7 @@ class Holder:
         return f"pid {self.pid}, {self.note}" if self.pid else "a process starting"
 
 
-class Held(OSError):
+class Held(StreamkitError, OSError):
     """Another process holds the lock."""
 
     def __init__(self, path: Path, held_by: Holder) -> None:

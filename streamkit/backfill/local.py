@@ -22,11 +22,12 @@ from streamkit.app.loader import path_without_app_folders
 from streamkit.backfill.plan import BackfillPlan, largest_first
 from streamkit.backfill.spark import SparkProgress
 from streamkit.backfill.task import run_shard_task
+from streamkit.errors import StreamkitError
 
 _CANCEL_POLL = 0.1  # seconds between looks at the cancel event while tasks run
 
 
-class Cancelled(Exception):
+class Cancelled(StreamkitError):
     """The backfill was cancelled (its command interrupted): its processes were stopped."""
 
 
