@@ -293,3 +293,20 @@ def test_spark_backfill_with_the_keys(secure_app: SecureApp) -> None:
             assert await view.query_counts(serving) == expected_counts(secure_app.ids)
 
     asyncio.run(counted())
+
+
+def test_a_member_the_broker_refuses_does_not_start(secure_app: SecureApp) -> None:
+    """`serve` with a key the broker doesn't know, or without trusting its certificate,
+    exits 2 at once naming the cause, instead of joining and taking shards it can't serve
+    (they failed in a loop, a traceback each, or stalled in BACKFILL)."""
+    app, ca = secure_app.app, str(secure_app.pki.ca)
+    common = ["serve", str(app), "--broker", secure_app.broker, "--keyspace",
+              str(app / ".streamkit" / "keyspace.db"), "--suffix", "stranger"]
+    stranger = _cli(*common, "--auth-keys", STRANGER, "--tls-ca", ca)
+    assert stranger.returncode == 2, stranger.stderr
+    assert "refuses this member's token" in stranger.stderr, stranger.stderr
+    untrusting = _cli(*common, "--auth-keys", KEYS_TEXT)
+    assert untrusting.returncode == 2, untrusting.stderr
+    assert "does not trust the certificate" in untrusting.stderr, untrusting.stderr
+    for refused in (stranger, untrusting):
+        assert "Traceback" not in refused.stderr, refused.stderr

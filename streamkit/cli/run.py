@@ -227,6 +227,29 @@ def _orphan_aware(parent: int) -> Callable[[], float]:
     return lambda: _QUICK_STOP if os.getppid() != parent else _stop_timeout()
 
 
+async def _check_broker_accepts(client: BrokerClient, broker: str) -> None:
+    """Refuse to serve with a token the broker refuses, or against a certificate this
+    member doesn't trust: a member that started anyway would take shards it can't serve
+    (failing them in a loop, or stalling them), and say so only in its log. A broker that
+    is merely out of reach now is left to the shards' retries, as ever."""
+    from streamkit.client.errors import TransportError
+    from streamkit.client.listing import list_journals
+
+    try:
+        await asyncio.wait_for(list_journals(client, "name=streamkit-member-check"), 10.0)
+    except TransportError as err:
+        if err.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+            raise CliError(f"the broker at {broker} refuses this member's token ({err.code}: "
+                           f"{err.details}): give the member the broker's --auth-keys",
+                           DATA_ERROR) from None
+        if "CERTIFICATE_VERIFY_FAILED" in err.details:
+            raise CliError(f"this member does not trust the certificate of the broker at "
+                           f"{broker} ({err.details}): give --tls-ca the CA that signed it",
+                           DATA_ERROR) from None
+    except TimeoutError:
+        pass  # out of reach for now: the shards retry
+
+
 def _stop_signals() -> tuple[signal.Signals, ...]:
     """What stops a run gracefully: Ctrl-C, SIGTERM, and a hang-up (its terminal or SSH
     session went away: the shards commit and hand over rather than die mid-transaction),
@@ -521,6 +544,7 @@ async def serve(app_dir: Path, broker: str, keyspace: str | None, shards: int | 
     async with BrokerClient(broker, security) as client, open_keyspace(
             keyspace_url_of(config, keyspace)) as ks:
         await check_layout(config, ks)
+        await _check_broker_accepts(client, broker)
         async with _member(config, app_class, client, ks, suffix=suffix, zone=zone,
                            lease_ttl=lease_ttl, broker_file_root=file_root, security=security,
                            host=host, port=port, advertise=advertise,
