@@ -338,6 +338,9 @@ async def test_stat_asks_the_running_primary(shared_broker: Any, tmp_path: Path)
             code, out, err = await _cli("stat", "shard-000", *where, "--read-through",
                                         f"{journal}={end + 10**6}", "--timeout", "0.5")
             assert code == 1 and "did not read through the given offsets within 0.5s" in err
+            # Without --read-through a timeout is the primary's silence, not the offsets'.
+            code, out, err = await _cli("stat", "shard-000", *where, "--timeout", "0.000001")
+            assert code == 1 and "primary local#wrk0" in err and "did not answer" in err, err
 
 
 async def test_consumer_address_reaches_shards_through_a_member(shared_broker: Any,

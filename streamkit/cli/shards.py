@@ -436,8 +436,11 @@ async def _stat(access: ShardAccess, shard: str, read_through: dict[str, int],
             raise _stat_error(shard, unreachable.status) from None
         details = " ".join((err.details() or "").split())
         if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            raise CliError(f"shard {shard} did not read through the given offsets within "
-                           f"{timeout:g}s") from None
+            if read_through:
+                raise CliError(f"shard {shard} did not read through the given offsets within "
+                               f"{timeout:g}s") from None
+            raise CliError(f"shard {shard}'s primary {unreachable.where} did not answer "
+                           f"within {timeout:g}s (stopped, or busy recovering?)") from None
         if err.code() == grpc.StatusCode.UNAVAILABLE:
             raise CliError(f"cannot reach shard {shard}'s primary {unreachable.where}: "
                            f"{details}") from None
