@@ -310,3 +310,13 @@ def test_a_member_the_broker_refuses_does_not_start(secure_app: SecureApp) -> No
     assert "does not trust the certificate" in untrusting.stderr, untrusting.stderr
     for refused in (stranger, untrusting):
         assert "Traceback" not in refused.stderr, refused.stderr
+
+
+def test_a_plain_dial_of_a_tls_broker_is_told_to_use_https(secure_app: SecureApp) -> None:
+    """gRPC says only "Socket closed" when a client speaks plain text to a TLS port; the
+    error says what it most likely means."""
+    plain = secure_app.broker.removeprefix("https://")
+    listed = _cli("journals", "list", "--broker", plain, "--auth-keys", KEYS_TEXT)
+    assert listed.returncode == 1, listed.stderr
+    assert f"cannot reach broker at {plain}" in listed.stderr, listed.stderr
+    assert "dial https://HOST:PORT" in listed.stderr, listed.stderr

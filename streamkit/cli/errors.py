@@ -64,10 +64,23 @@ def _broker_address() -> str:
     return str(ctx.params.get("broker", "")) if ctx is not None else ""
 
 
+def _tls_hint(address: str, details: str) -> str:
+    """What a broker closing the connection at once most likely means: TLS spoken on one
+    side only. (gRPC says just "Socket closed" for both mistakes.)"""
+    if "socket closed" not in details.lower():
+        return ""
+    if not address.startswith("https://"):
+        return (" (if the broker serves TLS, dial https://HOST:PORT, with --tls-ca if its "
+                "certificate isn't signed by a CA this machine trusts)")
+    return " (if the broker requires client certificates, give --tls-cert and --tls-key)"
+
+
 def _rpc_error(code: str, details: str) -> tuple[list[str], int]:
     details = _one_line(details)
     if code == "UNAVAILABLE":
-        return [f"cannot reach broker at {_broker_address()}: {details}"], FAILURE
+        address = _broker_address()
+        return [f"cannot reach broker at {address}: {details}{_tls_hint(address, details)}"], \
+            FAILURE
     if code == "INVALID_ARGUMENT":
         return [f"the broker rejected the request: {details}"], DATA_ERROR
     if code == "UNAUTHENTICATED":
