@@ -365,6 +365,8 @@ async def test_consumer_address_reaches_shards_through_a_member(shared_broker: A
             code, out, err = await _cli("stat", "shard-001", *elsewhere, "-o", "json", env=env)
             assert code == 0, err
             assert json.loads(out)["member"] == "local#worker-0"
+            # The primary's endpoint as its route says, not the address dialled.
+            assert json.loads(out)["endpoint"] == f"grpc://127.0.0.1:{running.port}", out
             code, out, err = await _cli("hints", "shard-000", *elsewhere, env=env)
             assert code == 0 and json.loads(out)["shard"] == "shard-000", err
             code, out, err = await _cli("unassign", "shard-000", "--dry-run", *elsewhere,

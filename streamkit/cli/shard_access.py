@@ -32,6 +32,7 @@ from streamkit.errors import StreamkitError
 from streamkit.keyspace.keyspace import KeySpace
 from streamkit.protocol import consumer_pb, pb
 from streamkit.protocol import consumer_pb2_grpc as consumer_grpc
+from streamkit.protocol.labels import label_set
 
 __all__ = ["CONSUMER_ENV", "KeySpaceShards", "MemberShards", "ShardAccess", "Unreachable"]
 
@@ -159,7 +160,20 @@ class MemberShards(ShardAccess):
             raise Unreachable(where=f"through member {self.address}") from err
         answered = response.header.process_id  # the primary, when the member forwarded it
         member = f"{answered.zone}#{answered.suffix}" if answered.suffix else self.address
-        return response, member, self.address
+        return response, member, await self._primary_endpoint(request.shard) or self.address
+
+    async def _primary_endpoint(self, shard: str) -> str | None:
+        """The endpoint of the shard's primary, as its route says (the member asked may
+        have forwarded the Stat there: its own address would name the wrong member)."""
+        try:
+            listed = await self.list(pb.LabelSelector(include=label_set(("id", shard))))
+        except grpc.aio.AioRpcError:  # a token without LIST, say: the member asked it is
+            return None
+        for found in listed.shards:
+            route = found.route
+            if found.spec.id == shard and 0 <= route.primary < len(route.endpoints):
+                return route.endpoints[route.primary]
+        return None
 
     async def close(self) -> None:
         await self._channel.close()
