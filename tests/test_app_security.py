@@ -135,6 +135,16 @@ def test_query_with_keys_answers(secure_app: SecureApp) -> None:
     assert int(done.stdout) == expected_counts(secure_app.ids)[word]
 
 
+def test_query_not_trusting_the_members_says_so(secure_app: SecureApp) -> None:
+    """Without the CA, the members answer but aren't trusted: the error says to give
+    --tls-ca, not that the app might not be running."""
+    done = _cli("query", str(secure_app.app), '{"word": "w1"}', "--shard", "shard-000",
+                "--auth-keys", KEYS_TEXT)
+    assert done.returncode == 1, done.stderr
+    assert "is not trusted" in done.stderr and "--tls-ca" in done.stderr, done.stderr
+    assert "is the app running" not in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("keys", [None, STRANGER])
 def test_query_without_the_keys_is_refused(secure_app: SecureApp, keys: str | None) -> None:
     args = ["query", str(secure_app.app), '{"word": "w1"}', "--shard", "shard-000",

@@ -48,6 +48,9 @@ def _ask(primary: Primary, request: dict[str, Any], timeout: float,
         raise CliError(f"shard {primary.shard}: no answer from {url} within {timeout:g}s "
                        "(is a hook of the app stuck? see the member's log)") from None
     except OSError as err:
+        if "CERTIFICATE_VERIFY_FAILED" in str(err):  # reached, but not trusted
+            raise CliError(f"shard {primary.shard}: the certificate of {url} is not trusted "
+                           f"({err}): give --tls-ca the CA that signed it") from None
         if isinstance(getattr(err, "reason", None), TimeoutError):  # timed out connecting
             raise Unreachable(f"shard {primary.shard}: cannot reach {url} within "
                               f"{timeout:g}s") from None
