@@ -38,6 +38,27 @@ def _run_bundled(app: Path, port: int, log_path: Path, *extra: str,
                            "--log-level", "INFO", *extra], log_path).start(own_group)
 
 
+def _app_on_a_port(tmp_path: Path) -> tuple[Path, int, str]:
+    """A copy of the wordcount app, a free port for its bundled broker, and its address."""
+    app = copy_wordcount(tmp_path / "wordcount")
+    port = free_port()
+    return app, port, f"127.0.0.1:{port}"
+
+
+async def _serving_then_fed(view: AppView, app: Path, address: str, log: Path, count: int,
+                            batch: int) -> range:
+    """Once the app serves, `count` lines published and acknowledged (their ids)."""
+    await view.wait_serving(timeout=60)
+    return _feed(app, address, log, count, batch)
+
+
+def _feed(app: Path, address: str, log: Path, count: int, batch: int,
+          start: int = 0) -> range:
+    """`count` lines published and acknowledged (their ids)."""
+    return Feeder(app, address, log, start=start, count=count, batch=batch,
+                  interval=0).start().finish()
+
+
 def _broker_pid(app: Path) -> int | None:
     try:
         return int((app / ".streamkit" / "broker.pid").read_text())
@@ -79,9 +100,7 @@ async def test_broker_sigkill_is_reported_restarted_and_counts_stay_exact(
     the signal and its log, starts it again, both members keep serving, every line is
     counted once and no output update repeats; Ctrl-C then stops run, committing. (How
     soon it reports and stops is printed as a hint: timings are measured in bench/.)"""
-    app = copy_wordcount(tmp_path / "wordcount")
-    port = free_port()
-    address = f"127.0.0.1:{port}"
+    app, port, address = _app_on_a_port(tmp_path)
     run = _run_bundled(app, port, tmp_path / "run.log", "--workers", "2")
     try:
         async with AppView(app, address) as view:
@@ -130,15 +149,11 @@ async def test_interrupt_while_the_broker_is_down_is_prompt(tmp_path: Path) -> N
     """Ctrl-C right after the broker died, with transactions in flight: run stops by itself
     (abandoning what it cannot commit, not waiting for the broker), and a new run counts
     every line once."""
-    app = copy_wordcount(tmp_path / "wordcount")
-    port = free_port()
-    address = f"127.0.0.1:{port}"
+    app, port, address = _app_on_a_port(tmp_path)
     run = _run_bundled(app, port, tmp_path / "run-1.log", "--workers", "2")
     try:
         async with AppView(app, address) as view:
-            await view.wait_serving(timeout=60)
-            ids = Feeder(app, address, tmp_path / "feed.log", count=1500, batch=100,
-                         interval=0).start().finish()
+            ids = await _serving_then_fed(view, app, address, tmp_path / "feed.log", 1500, 100)
             _kill_broker(app)
             await eventually(lambda: _death_lines(run), DEADLINE,
                              "run to report the broker's death", interval=0.02)
@@ -167,15 +182,11 @@ async def test_ctrl_c_at_a_terminal_stops_the_broker_last(tmp_path: Path,
     transaction abandoned, and a new run counts every line once."""
     if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
         pytest.skip("these tests run under nohup: run inherits ignoring hang-ups, as asked")
-    app = copy_wordcount(tmp_path / "wordcount")
-    port = free_port()
-    address = f"127.0.0.1:{port}"
+    app, port, address = _app_on_a_port(tmp_path)
     run = _run_bundled(app, port, tmp_path / "run-1.log", "--workers", "2", own_group=True)
     try:
         async with AppView(app, address) as view:
-            await view.wait_serving(timeout=60)
-            ids = Feeder(app, address, tmp_path / "feed.log", count=3000, batch=200,
-                         interval=0).start().finish()
+            ids = await _serving_then_fed(view, app, address, tmp_path / "feed.log", 3000, 200)
             code = await asyncio.to_thread(run.signal, sig, LIVENESS, group=True)
             assert code == 0, run.log()
             assert "committing the shards' last transactions" in run.text(), run.log()
@@ -237,9 +248,7 @@ async def test_one_run_and_one_broker_per_app(tmp_path: Path) -> None:
     others: list[Proc] = []  # stopped at the end, whatever happened
     try:
         async with AppView(app, address) as view:
-            await view.wait_serving(timeout=60)
-            first = Feeder(app, address, tmp_path / "feed-1.log", count=1000, batch=100,
-                           interval=0).start().finish()
+            first = await _serving_then_fed(view, app, address, tmp_path / "feed-1.log", 1000, 100)
             pid = _broker_pid(app)
 
             second = _run_bundled(app, other, tmp_path / "run-2.log")
@@ -297,24 +306,23 @@ def _workers_of(app: Path) -> list[int]:
 async def test_workers_of_a_killed_run_go_at_once(tmp_path: Path) -> None:
     """SIGKILL `run --workers 2` mid catch-up: its bundled broker goes with it, and its worker
     stops (the parent-death signal) without waiting on that broker (it lingered ~40 s,
-    flushing its recorders to nobody); a new run counts every line once."""
-    app = copy_wordcount(tmp_path / "wordcount")
-    port = free_port()
-    address = f"127.0.0.1:{port}"
+    flushing its recorders to nobody); a new run started at once waits for the old broker
+    to let go of the data, and counts every line once."""
+    app, port, address = _app_on_a_port(tmp_path)
     run = _run_bundled(app, port, tmp_path / "run-1.log", "--workers", "2")
     try:
         async with AppView(app, address) as view:
-            await view.wait_serving(timeout=60)
-            ids = Feeder(app, address, tmp_path / "feed.log", count=1500, batch=100,
-                         interval=0).start().finish()
+            ids = await _serving_then_fed(view, app, address, tmp_path / "feed.log", 1500, 100)
             workers = _workers_of(app)
             assert len(workers) == 1, workers
             run.kill()
             killed = time.monotonic()
+            # Started at once, the new run finds the old broker still stopping (persisting
+            # its spools, holding the data dir's lock): it waits for it, then starts.
+            run = _run_bundled(app, port, tmp_path / "run-2.log", "--workers", "2")
             await eventually(lambda: not _alive(workers[0]), timeout=15,
                              what="the worker of the killed run to stop", interval=0.05)
             print(f"worker gone {time.monotonic() - killed:.2f}s after the kill")
-            run = _run_bundled(app, port, tmp_path / "run-2.log", "--workers", "2")
             await _check_exact(view, ids)
     finally:
         run.stop()

@@ -54,7 +54,7 @@ from streamkit.cli.errors import DATA_ERROR, CliError, async_command
 from streamkit.cli.logs import configure_logging
 from streamkit.cli.security_options import security_env, security_options
 from streamkit.client.environment import BROKER_ENV
-from streamkit.process_lock import Held, ProcessLock
+from streamkit.process_lock import Held, Holder, ProcessLock
 from streamkit.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -294,7 +294,7 @@ def spawn_bundled_broker(data_dir: Path, port: int, keyspace_url: str,
     """The bundled broker on `port` (HTTP on the next), its pid in DATA_DIR/broker.pid;
     with `security`'s keys and certificate (given through its environment). Started, not
     yet listening: its start takes a few tenths of a second, mostly imports."""
-    held = data_dir_holder(data_dir / "broker")
+    held = _previous_broker(data_dir / "broker")
     if held is not None:
         raise CliError(f"the app's bundled broker already runs ({held.describe()}), started "
                        f"by another command: stop it, or pass --broker {held.note} to use it",
@@ -307,6 +307,31 @@ def spawn_bundled_broker(data_dir: Path, port: int, keyspace_url: str,
         "broker", "serve", "--data-dir", str(data_dir / "broker"), "--port", str(port),
         "--keyspace", keyspace_url], data_dir / "broker.log", data_dir / "broker.pid",
         security_env(security, dict(os.environ)) if security is not None else None)
+
+
+def _previous_broker(data_dir: Path, patience: float = 30.0) -> Holder | None:
+    """The broker serving `data_dir`, if one does. One whose `run` was killed (orphaned: its
+    parent is init) is stopping by itself, persisting its spools, which takes a few seconds:
+    it is waited for (up to `patience`), so that `run` right after a kill starts, rather
+    than refusing or (worse) starting a second broker on the same data."""
+    held = data_dir_holder(data_dir)
+    if held is None or _parent_of(held.pid) != 1:
+        return held
+    click.echo(f"waiting for the app's previous bundled broker (pid {held.pid}) to stop...",
+               err=True)
+    deadline = time.monotonic() + patience
+    while held is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        held = data_dir_holder(data_dir)
+    return held
+
+
+def _parent_of(pid: int) -> int | None:
+    """`pid`'s parent (Linux's /proc), or None if that can't be read."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def start_bundled_broker(config: AppConfig, port: int, keyspace_url: str,
