@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import signal
 import sys
 import threading
 import time
@@ -48,7 +49,8 @@ def run_locally(plan: BackfillPlan, processes: int,
     started = time.monotonic()
     # Fresh interpreters ("spawn"): this process has gRPC channels, which forking would race.
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max(1, min(processes, len(order))), mp_context=context) as pool:
+    with ProcessPoolExecutor(max(1, min(processes, len(order))), mp_context=context,
+                             initializer=_leave_interrupts_to_the_parent) as pool:
         with _without_app_folders():  # the pool's processes start within the submits
             pending: dict[Future[dict[str, Any]], int] = {
                 pool.submit(run_shard_task, plan, index): index for index in order}
@@ -68,6 +70,13 @@ def run_locally(plan: BackfillPlan, processes: int,
             pool.shutdown(wait=True, cancel_futures=True)
             raise
     return [results[index] for index in range(len(order))]
+
+
+def _leave_interrupts_to_the_parent() -> None:
+    """In a pool process: ignore SIGINT. A terminal's Ctrl-C reaches the whole process group;
+    the command stops its processes itself (`cancelled`), and a task interrupted on its own
+    would only print a traceback over the command's output first."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _terminate(pool: ProcessPoolExecutor) -> None:
