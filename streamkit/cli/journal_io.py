@@ -310,13 +310,6 @@ class _MessageCopy:
             reader.close()
 
 
-async def write_head(client: BrokerClient, journal: str) -> int:
-    """Where the next append to `journal` will land (a metadata-only read). A tailing read
-    starts here rather than at offset -1, so that the offset it reports is a real one even
-    if nothing arrives before it is stopped."""
-    return await read_write_head(client, journal)
-
-
 def load_offsets(path: Path | None) -> dict[str, int]:
     """Start offsets by journal, from a file `--offsets-out` wrote."""
     if path is None:
@@ -357,8 +350,8 @@ async def read_journals(
     copies: list[_JournalCopy | _MessageCopy] = []
     for spec in specs:
         offset = offsets.get(spec.name, default_offset)
-        if offset < 0:
-            offset = await write_head(client, spec.name)
+        if offset < 0:  # a tail starts at the real write head, so its reported offset is real
+            offset = await read_write_head(client, spec.name)
         if messages or committed:
             copies.append(_MessageCopy(client, spec, offset, block=block, committed=committed))
         else:

@@ -52,12 +52,12 @@ def _ask(primary: Primary, request: dict[str, Any], timeout: float,
             raise CliError(f"shard {primary.shard}: the certificate of {url} is not trusted "
                            f"({err}): give --tls-ca the CA that signed it") from None
         if isinstance(getattr(err, "reason", None), TimeoutError):  # timed out connecting
-            raise Unreachable(f"shard {primary.shard}: cannot reach {url} within "
-                              f"{timeout:g}s") from None
-        raise Unreachable(f"shard {primary.shard}: cannot reach {url}: {err}") from None
+            raise MemberOutOfReach(f"shard {primary.shard}: cannot reach {url} within "
+                                   f"{timeout:g}s") from None
+        raise MemberOutOfReach(f"shard {primary.shard}: cannot reach {url}: {err}") from None
 
 
-class Unreachable(CliError):
+class MemberOutOfReach(CliError):
     """A shard's member could not be reached (rather than answering with an error)."""
 
 
@@ -122,7 +122,7 @@ async def query(app_dir: Path, request: str, key: str | None, shard: str | None,
         # Asking whether the app runs only helps when a shard was out of reach: an error the
         # app's query hook raised comes from a running app.
         reached = len(asked) == len(wanted) and not any(
-            isinstance(r, Unreachable) for r in results)
+            isinstance(r, MemberOutOfReach) for r in results)
         raise CliError(f"no shard answered ({reasons})" + (
             "" if reached else f": is the app running (streamkit run {app_dir})?"))
     answer = by_shard[shard] if shard is not None else app_class().combine_answers(by_shard)
