@@ -8,6 +8,7 @@ import base64
 import datetime
 import ipaddress
 import ssl
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from streamkit.auth import (
     sign,
 )
 from streamkit.auth.grpc_auth import AUTHORIZATION
+from streamkit.auth.tls import _name_matches, certificate_concerns
 from streamkit.protocol import pb, pb_grpc
 from streamkit.protocol.labels import parse_selector
 
@@ -458,3 +460,33 @@ async def test_aiohttp_over_mutual_tls(pki: Pki):
                     await resp.read()
     finally:
         await runner.cleanup()
+
+
+# --- a server's own certificate, checked at start -------------------------------------------
+
+
+def test_certificate_concerns_name_the_host_and_the_dates(pki: Pki):
+    for host in ("127.0.0.1", "localhost", "LOCALHOST", "[127.0.0.1]"):
+        assert certificate_concerns(pki.server_cert, host) == [], host
+    [concern] = certificate_concerns(pki.server_cert, "broker.example")
+    assert "names localhost, 127.0.0.1 but not 'broker.example'" in concern
+    assert "--advertise" in concern
+    in_a_week = time.time() + 7 * 86400
+    [concern] = certificate_concerns(pki.server_cert, "localhost", now=in_a_week)
+    assert f"server certificate {pki.server_cert} expired on" in concern
+    [concern] = certificate_concerns(pki.server_cert, "localhost", now=time.time() - 86400)
+    assert "is not valid before" in concern
+    assert certificate_concerns(pki.ca.parent / "missing.pem", "localhost") == []
+
+
+@pytest.mark.parametrize(("name", "host", "matches"), [
+    ("*.example.com", "a.example.com", True),
+    ("*.example.com", "a.b.example.com", False),
+    ("*.example.com", "example.com", False),
+    ("Broker.Example", "broker.example.", True),
+    ("::1", "[0:0:0:0:0:0:0:1]", True),
+    ("127.0.0.1", "127.0.0.2", False),
+    ("127.0.0.1", "localhost", False),
+])
+def test_certificate_names_match_as_clients_check_them(name: str, host: str, matches: bool):
+    assert _name_matches(name, host) is matches

@@ -405,6 +405,23 @@ async def test_mutual_tls_needs_the_client_certificate(tmp_path: Path,
         broker.kill()
 
 
+def test_a_certificate_for_other_hosts_is_warned_of_at_start(tmp_path: Path,
+                                                              pki: Pki) -> None:  # noqa: F811
+    """Clients dial the advertised host; a certificate that does not name it would fail
+    every verifying client, so the broker says so in its first lines."""
+    tls = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key)]
+    named = BrokerProcess(tmp_path / "named", extra_args=tls).start()
+    other = BrokerProcess(tmp_path / "other",
+                          extra_args=[*tls, "--advertise", "broker.example"]).start()
+    try:
+        assert "server certificate" not in named.log()
+        assert (f"server certificate {pki.server_cert} names localhost, 127.0.0.1 but not "
+                "'broker.example'") in other.log()
+    finally:
+        named.kill()
+        other.kill()
+
+
 # --- listening beyond loopback --------------------------------------------------------------
 
 

@@ -152,6 +152,8 @@ async def serve_member_apis(
     server, http = pair
     bound = port or http.getsockname()[1] - 1
     endpoint = security.endpoint(advertise or host, bound)
+    for concern in security.certificate_concerns(advertise or host):
+        log.warning("%s", concern)
     if not member.options.endpoint:
         member.options.endpoint = endpoint
     api = ShardAPI(

@@ -170,6 +170,16 @@ class Security:
             host = f"[{host}]"
         return f"{'https' if self.server_tls is not None else 'grpc'}://{host}:{port}"
 
+    def certificate_concerns(self, host: str) -> list[str]:
+        """Why clients dialling a server that advertises `host` would refuse its TLS
+        certificate (see `tls.certificate_concerns`); for its startup log."""
+        from streamkit.auth.tls import certificate_concerns
+
+        if self.server_tls is None:
+            return []
+        return certificate_concerns(self.server_tls.cert,
+                                    socket.gethostname() if is_wildcard(host) else host)
+
     def own_hosts(self, host: str) -> Collection[str] | None:
         """Host header values an HTTP server bound to `host` answers (None: any): loopback
         names, the bound address (every name of the machine for a wildcard bind), and

@@ -13,7 +13,9 @@ present its own certificate.
 
 from __future__ import annotations
 
+import ipaddress
 import ssl
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,7 +26,8 @@ from streamkit.errors import StreamkitError
 if TYPE_CHECKING:
     import grpc
 
-__all__ = ["Address", "AddressError", "ClientTls", "ServerTls", "TlsError", "parse_address"]
+__all__ = ["Address", "AddressError", "ClientTls", "ServerTls", "TlsError", "certificate_concerns",
+           "parse_address"]
 
 _PLAINTEXT_SCHEMES = frozenset({"http", "grpc"})
 
@@ -104,6 +107,61 @@ def _load_ca(context: ssl.SSLContext, ca: Path) -> None:
         context.load_verify_locations(cafile=ca)
     except (OSError, ssl.SSLError) as err:
         raise TlsError(f"trusted CA file {ca}: {err}") from None
+
+
+def certificate_concerns(cert: Path, host: str, now: float | None = None) -> list[str]:
+    """What would make clients refuse the server certificate in `cert` when they dial it
+    by `host`: a certificate expired or not yet valid, or one naming other hosts. Empty
+    when it looks right, or when the file cannot be decoded here (loading it is checked
+    elsewhere). A server logs these at start rather than refusing to: clients may dial
+    it by a name of their own, and the clock may be what is wrong."""
+    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
+    try:  # CPython's own decoder (its test helper; no public API reads a certificate)
+        fields = decode(str(cert)) if decode is not None else None
+    except (OSError, ssl.SSLError, ValueError):
+        fields = None
+    if not fields:
+        return []
+    concerns = []
+    now = time.time() if now is None else now
+    ends, begins = fields.get("notAfter"), fields.get("notBefore")
+    if ends and ssl.cert_time_to_seconds(ends) < now:
+        concerns.append(f"server certificate {cert} expired on {ends}: clients will refuse it")
+    elif begins and ssl.cert_time_to_seconds(begins) > now:
+        concerns.append(f"server certificate {cert} is not valid before {begins}: clients "
+                        "will refuse it until then (or this machine's clock is wrong)")
+    names = _certificate_names(fields)
+    if names and not any(_name_matches(name, host) for name in names):
+        concerns.append(f"server certificate {cert} names {', '.join(names)} but not {host!r}, "
+                        "the host this server advertises: clients that dial it there will "
+                        "refuse it (give --advertise a name the certificate holds)")
+    return concerns
+
+
+def _certificate_names(fields: dict) -> list[str]:
+    """The DNS names and IP addresses a certificate is for (its common name when it has
+    no subject alternative names, as older verifiers still accept)."""
+    names = [value for kind, value in fields.get("subjectAltName", ())
+             if kind in ("DNS", "IP Address")]
+    if names:
+        return names
+    return [value for rdn in fields.get("subject", ()) for key, value in rdn
+            if key == "commonName"]
+
+
+def _name_matches(name: str, host: str) -> bool:
+    """RFC 6125's rules: case-insensitive; a `*` only as the whole leftmost label, matching
+    exactly one label; addresses compare as addresses."""
+    host = host.strip("[]").rstrip(".").lower()
+    try:
+        return ipaddress.ip_address(host) == ipaddress.ip_address(name.strip())
+    except ValueError:
+        pass
+    name = name.rstrip(".").lower()
+    if name.startswith("*."):
+        first, _, rest = host.partition(".")
+        return bool(first) and rest == name[2:]
+    return name == host
 
 
 @dataclass(frozen=True)

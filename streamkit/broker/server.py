@@ -118,6 +118,8 @@ class Broker:
         self.persister.start()
         await self.registry.start()
         endpoint = cfg.security.endpoint(cfg.advertise or cfg.host, cfg.port)
+        for concern in cfg.security.certificate_concerns(cfg.advertise or cfg.host):
+            log.warning("%s", concern)
         identity = Identity(zone=cfg.zone, suffix=cfg.suffix, endpoint=endpoint)
         self.service = JournalService(self.registry, identity, cfg.append_timeout,
                                       cfg.min_append_rate)
