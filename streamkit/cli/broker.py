@@ -7,9 +7,10 @@ from pathlib import Path
 
 import click
 
-from streamkit.auth.settings import Security
+from streamkit.auth.settings import Exposed, Security
 from streamkit.broker.pace import DEFAULT_MIN_APPEND_RATE
 from streamkit.broker.server import DEFAULT_PORT, BrokerConfig, StartupFailed, serve
+from streamkit.cli.errors import DATA_ERROR, CliError, reporting_errors
 from streamkit.cli.logs import configure_logging
 from streamkit.cli.security_options import security_options
 from streamkit.keyspace import KeySpaceError
@@ -58,6 +59,11 @@ def serve_cmd(data_dir: Path, port: int, http_port: int | None, host: str,
     certificates required), unless --insecure.
     """
     configure_logging(log_level, log_format)
+    with reporting_errors():  # a setting to change, said as `serve` says it, touching nothing
+        try:
+            security.check_exposure(host, port, "the broker")
+        except Exposed as err:
+            raise CliError(f"refusing to serve: {err}", DATA_ERROR) from None
     if advertise:  # the HTTP gateway answers the name it is reached by
         security = replace(security, allowed_hosts=(*security.allowed_hosts, advertise))
     config = BrokerConfig(data_dir=data_dir.resolve(), port=port, http_port=http_port, host=host,
