@@ -27,6 +27,8 @@ def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     (grpc.StatusCode.UNAVAILABLE, "failed to connect", True),
     (grpc.StatusCode.UNKNOWN, "Stream removed", True),
     (grpc.StatusCode.CANCELLED, "Socket closed", True),
+    (grpc.StatusCode.CANCELLED, "CANCELLED", True),  # a broker stopping: its calls cancelled
+    (grpc.StatusCode.UNKNOWN, "Exception calling application: boom", False),
     (grpc.StatusCode.INTERNAL, "Internal error from Core", True),  # a lost connection too
     (grpc.StatusCode.INTERNAL, "some server bug", False),
     (grpc.StatusCode.INVALID_ARGUMENT, "journal: bad name", False),

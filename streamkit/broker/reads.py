@@ -79,6 +79,8 @@ class ReadStream:
                 yield pb.ReadResponse(offset=self.offset, content=chunk)
                 self.offset += len(chunk)
                 metrics.READ_BYTES.inc(len(chunk))
+                if replica.reads_ended:  # the broker is stopping: end within gRPC's grace,
+                    return  # cleanly (the reader goes on from here), not cancelled mid-fragment
 
     async def _fragment_url(self, fragment: pb.Fragment) -> str:
         if not fragment.backing_store:

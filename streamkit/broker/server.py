@@ -200,14 +200,21 @@ class Broker:
         """Refuse new RPCs, let in-flight ones finish, persist the spools, close."""
         grace = self.config.shutdown_grace
         log.info("broker stopping")
+        # New calls are refused (UNAVAILABLE) from the server's stop on, so a reader whose
+        # read ends below goes to the broker that comes back rather than racing the stop.
+        stopping = asyncio.ensure_future(self.server.stop(grace / 3))
+        await asyncio.sleep(0)
         for replica in self.registry.replicas():
             replica.end_reads()  # blocking reads would otherwise hold the servers open
         if self._gateway_task is not None:
             await cancel_and_wait(self._gateway_task, "the HTTP gateway's start")
-        await asyncio.gather(
-            self.server.stop(grace / 3),
-            self.gateway.stop() if self.gateway else asyncio.sleep(0),
-        )
+        # Appends still waiting before the end of gRPC's grace are rolled back, UNAVAILABLE.
+        rolling_back = asyncio.get_running_loop().call_later(grace / 4, self.service.stop_appends)
+        try:
+            await asyncio.gather(stopping,
+                                 self.gateway.stop() if self.gateway else asyncio.sleep(0))
+        finally:
+            rolling_back.cancel()
         if self._gateway_sock is not None:
             self._gateway_sock.close()  # if no gateway took it over
         for replica in self.registry.replicas():

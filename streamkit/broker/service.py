@@ -115,6 +115,18 @@ class JournalService(pb_grpc.JournalServicer):
         self.identity = identity
         self.append_timeout = append_timeout  # longest wait for an appender's next chunk
         self.min_append_rate = min_append_rate  # bytes/s an appender must keep up (0: any)
+        self._appends: dict[asyncio.Task, _Received] = {}  # Appends in flight
+        self._stopping = False
+
+    def stop_appends(self) -> None:
+        """The broker is stopping: roll back the appends still waiting for the journal or
+        for their content, which then end UNAVAILABLE (a retry goes to the broker that
+        comes back; gRPC's own cancel at the end of its grace would say CANCELLED, which
+        clients take as final). Appends whose content is all in commit and answer."""
+        self._stopping = True
+        for task, received in self._appends.items():
+            if not received.all:
+                task.cancel("the broker is stopping")
 
     def pace(self) -> AppendPace:
         return AppendPace(self.min_append_rate, self.append_timeout)
@@ -255,8 +267,23 @@ class JournalService(pb_grpc.JournalServicer):
                 metrics.APPEND_FAILURES.labels(pb.Status.Name(status)).inc()
                 return pb.AppendResponse(status=status, header=self.header())
             assert replica is not None
-            content = _content(first, request_iterator, self.pace())
-            return await append(replica, first, content, self.header())
+            received = _Received()
+            content = _content(first, request_iterator, self.pace(), received)
+            task = asyncio.current_task()
+            assert task is not None
+            self._appends[task] = received
+            try:
+                return await append(replica, first, content, self.header())
+            except asyncio.CancelledError:
+                if not self._stopping or received.all:
+                    raise
+                task.uncancel()
+                metrics.APPEND_FAILURES.labels("BrokerStopping").inc()
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"append to {first.journal} rolled back: the broker is "
+                                    "stopping (retry it)")
+            finally:
+                del self._appends[task]
         except JournalFault as fault:
             await self._fault(context, "Append", fault)
         except BadRequest as err:
@@ -331,8 +358,16 @@ async def _next_chunk(requests, pace: AppendPace, journal: str) -> pb.AppendRequ
         raise pace.timed_out(journal) from None
 
 
+@dataclass
+class _Received:
+    """Whether an Append's content came in whole (its commit chunk): from then on the append
+    commits and answers, however the broker is stopping."""
+
+    all: bool = False
+
+
 async def _content(
-    first: pb.AppendRequest, requests, pace: AppendPace
+    first: pb.AppendRequest, requests, pace: AppendPace, received: _Received
 ) -> AsyncIterator[bytes]:
     """Content chunks of an Append stream; raises RolledBack if it ends without commit."""
     while True:
@@ -345,6 +380,7 @@ async def _content(
                 or request.HasField("subtract_registers")):
             raise BadRequest("Append: only the first AppendRequest may carry parameters")
         if not request.content:
+            received.all = True
             break
         pace.got(len(request.content))
         yield request.content

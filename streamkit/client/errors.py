@@ -146,8 +146,7 @@ class ProtocolError(StreamkitError):
     """A broker response breaks the protocol (say, content at an unexpected offset)."""
 
 
-# Details gRPC attaches when a CANCELLED or UNKNOWN status really means that the
-# connection broke, rather than that somebody cancelled the call on purpose.
+# Details gRPC attaches when an UNKNOWN status really means that the connection broke.
 _CONNECTION_HINTS = (
     "socket closed",
     "connection reset",
@@ -208,7 +207,13 @@ def _grpc_transient(exc: grpc.RpcError) -> bool:
     if code == grpc.StatusCode.UNAVAILABLE:
         return True
     details = (exc.details() or "").lower() if callable(getattr(exc, "details", None)) else ""
-    if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+    if code == grpc.StatusCode.CANCELLED:
+        # A call this process cancels raises asyncio.CancelledError in grpc.aio, never
+        # an RpcError: CANCELLED comes from the other side. A broker stopping cancels the
+        # calls still open at the end of its grace (and calls that raced its stop), as
+        # Gazette's do when their context ends: the broker that comes back takes the retry.
+        return True
+    if code == grpc.StatusCode.UNKNOWN:
         return any(hint in details for hint in _CONNECTION_HINTS)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED and details.endswith("rolled back"):
         # The broker's pacing rule aborted an append that came in too slowly (this
