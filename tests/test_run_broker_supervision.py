@@ -145,6 +145,30 @@ async def test_broker_sigkill_is_reported_restarted_and_counts_stay_exact(
         run.stop()
 
 
+async def test_a_broker_stopping_gracefully_fails_no_shard(tmp_path: Path) -> None:
+    """SIGTERM the bundled broker (an operator's restart) right after a feed, its shards
+    reading and committing: run starts it again and no shard fails. Calls open at its stop
+    ended CANCELLED, which members took as final: busy shards stayed FAILED."""
+    app, port, address = _app_on_a_port(tmp_path)
+    run = _run_bundled(app, port, tmp_path / "run.log")
+    try:
+        async with AppView(app, address) as view:
+            await view.wait_serving(timeout=60)
+            fed = 0
+            for restart in (1, 2):  # twice: a stop's calls do not always race it
+                fed = _feed(app, address, tmp_path / f"feed-{restart}.log", 30000, 1000,
+                            start=fed).stop
+                pid = _broker_pid(app)
+                assert pid is not None
+                os.kill(pid, signal.SIGTERM)
+                await eventually(lambda n=restart: run.text().count(
+                    "bundled broker is running again") == n, 30, "the broker to be restarted")
+            await _check_exact(view, range(fed))
+            assert "failed at" not in run.text(), run.log()  # no transaction failed
+    finally:
+        run.stop()
+
+
 async def test_interrupt_while_the_broker_is_down_is_prompt(tmp_path: Path) -> None:
     """Ctrl-C right after the broker died, with transactions in flight: run stops by itself
     (abandoning what it cannot commit, not waiting for the broker), and a new run counts
