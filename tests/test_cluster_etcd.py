@@ -27,6 +27,8 @@ import pytest
 from streamkit.app.member import deploy
 from streamkit.app.member_http import http_url
 from streamkit.app.resolver import Resolver
+from streamkit.protocol import pb
+from tests import wire
 from tests.brokerproc import BrokerProcess
 from tests.e2e import (
     AppView,
@@ -332,6 +334,36 @@ async def test_members_ride_out_an_etcd_restart(
         await eventually(view.standing_by, LIVENESS, "a PRIMARY and a STANDBY per shard")
         exited = {name: proc.log() for name, proc in cluster.members.items() if not proc.alive}
         assert not exited, f"members exited: {exited}"
+
+
+@pytest.mark.timeout(180)
+def test_a_broker_follows_its_specs_again_after_a_long_etcd_outage(
+        private_etcd: EtcdServer, tmp_path: Path) -> None:
+    """etcd down long enough for the broker's watch, and then its reading the specs afresh,
+    to fail: once etcd is back the broker follows spec changes again (it stopped for good,
+    and an Apply then waited for ever for the watch to see its change)."""
+    broker = BrokerProcess(tmp_path / "broker",
+                           extra_args=["--keyspace", private_etcd.url("broker/")]).start()
+    try:
+        journals = wire.stub(broker.address)
+        wire.create(journals, wire.spec("outage/before"))
+        private_etcd.stop()
+        deadline = time.monotonic() + 120
+        while broker.log().count("journal spec watch failed") < 2:  # the re-read failed too
+            assert time.monotonic() < deadline, broker.log()
+            time.sleep(0.2)
+        private_etcd.start()
+        change = pb.ApplyRequest.Change(expect_mod_revision=0, upsert=wire.spec("outage/after"))
+        applied = journals.Apply(pb.ApplyRequest(changes=[change]), timeout=LIVENESS)
+        assert applied.status == pb.OK, applied
+        names: set[str] = set()
+        while names != {"outage/before", "outage/after"}:
+            assert time.monotonic() < deadline, (names, broker.log())
+            time.sleep(0.1)
+            listed = journals.List(pb.ListRequest(), timeout=LIVENESS)
+            names = {j.spec.name for response in listed for j in response.journals}
+    finally:
+        broker.kill()
 
 
 def _wait_logged(cluster: Cluster, *texts: str, among: str | None = None) -> None:

@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 DEFAULT_ROOT = "/gazette/cluster"
 NAME_MAX = 255  # bytes in a file name (a journal name's segment is a folder's name)
 RETRY_OPEN = 30.0  # seconds before a journal that failed to open is tried again
+FOLLOW_RETRY_MIN, FOLLOW_RETRY_MAX = 0.5, 5.0  # pauses before following specs again
+CATCH_UP_WAIT = 10.0  # longest an Apply waits for the watch to see its change
 
 
 def _reason(error: BaseException) -> str:
@@ -199,17 +201,31 @@ class JournalRegistry:
         return result.revision
 
     async def _catch_up(self, revision: int) -> None:
-        """Wait (briefly) until the watch has seen `revision`, for read-your-writes."""
-        for _ in range(200):
-            if self.revision >= revision:
+        """Wait until the watch has seen `revision`, for read-your-writes; at most
+        CATCH_UP_WAIT seconds (the change is applied either way: a watch out of reach of
+        its KeySpace must not hold the Apply for ever)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CATCH_UP_WAIT):
+                while self.revision < revision:
+                    await self._changed.wait()
                 return
-            await self._changed.wait()
+        log.warning("journal specs: the change at revision %d is not seen yet (the watch is "
+                    "at %d); it applies once the watch of the KeySpace catches up",
+                    revision, self.revision)
 
     # --- following the KeySpace --------------------------------------------
 
     async def _follow(self) -> None:
+        """Follow spec changes for the broker's life: a watch that fails (the KeySpace out
+        of reach) is retried, the specs read afresh, with a pause growing to FOLLOW_RETRY_MAX."""
+        delay, failing = FOLLOW_RETRY_MIN, False
         while True:
             try:
+                if failing:
+                    await self._reload()
+                    log.warning("journal specs: following the KeySpace again (at revision %d)",
+                                self.revision)
+                    delay, failing = FOLLOW_RETRY_MIN, False
                 async for events in self.keyspace.watch(self.prefix, self.revision):
                     for event in events:
                         self._apply_event(event)
@@ -218,9 +234,11 @@ class JournalRegistry:
             except asyncio.CancelledError:
                 raise
             except Exception as err:
-                log.warning("journal spec watch failed, reloading: %s", err)
-                await asyncio.sleep(0.5)
-                await self._reload()
+                log.warning("journal spec watch failed; reading the specs again in %.1fs: %s",
+                            delay, err)
+                failing = True
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, FOLLOW_RETRY_MAX)
 
     async def _reload(self) -> None:
         kvs, revision = await self.keyspace.range(self.prefix)
