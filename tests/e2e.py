@@ -88,11 +88,12 @@ def _env() -> dict[str, str]:
                                                          os.environ.get("PYTHONPATH")]))}
 
 
-def cli(*args: str, timeout: float = 60.0,
-        input_text: str | None = None) -> subprocess.CompletedProcess[str]:
-    """Run `streamkit ARGS...` to completion, capturing its output."""
+def cli(*args: str, timeout: float = 60.0, input_text: str | None = None,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `streamkit ARGS...` to completion (with `env` added), capturing its output."""
     return subprocess.run([sys.executable, "-m", "streamkit.cli.main", *args],
-                          capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**_env(), **(env or {})}, cwd=ROOT,
                           input=input_text if input_text is not None else "")
 
 

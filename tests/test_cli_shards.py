@@ -163,6 +163,11 @@ def test_list_finds_the_keyspace_or_explains(app: AppConfig, tmp_path: Path) -> 
     fresh = make_app(tmp_path / "fresh")
     (fresh.data_dir / "keyspace.db").unlink()
     assert "the app hasn't run here yet" in fails("list", "--app", str(fresh.app_dir), code=1)
+    # query alike: opening the missing file made an empty KeySpace, and `shards list` then
+    # showed an app without shards rather than this error.
+    asked = CliRunner().invoke(cli, ["query", str(fresh.app_dir), "{}"])
+    assert asked.exit_code == 1 and "the app hasn't run here yet" in asked.stderr, asked.stderr
+    assert not (fresh.data_dir / "keyspace.db").exists()
 
 
 # --- apply -----------------------------------------------------------------------------------

@@ -404,6 +404,9 @@ async def test_queries_reach_every_primary_through_etcd(etcd_url: str, tmp_path:
                         cluster.url)
             assert asked.returncode == 0, asked
             assert int(asked.stdout) == expected[word], asked
+        asked = cli("query", str(cluster.app), '{"word": "w0"}',  # as the shards commands
+                    env={"STREAMKIT_KEYSPACE": cluster.url})
+        assert asked.returncode == 0 and int(asked.stdout) == expected["w0"], asked
         one = next(s for s in view.config.shard_ids())
         asked = cli("query", str(cluster.app), '{"word": "w1"}', "--shard", one,
                     "--keyspace", cluster.url)

@@ -20,6 +20,7 @@ from streamkit.app.member_http import open_member_url
 from streamkit.app.resolver import Primary, Resolver
 from streamkit.auth.settings import Security
 from streamkit.auth.tokens import Capability
+from streamkit.cli.app_keyspace import app_keyspace
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command, warn
 from streamkit.cli.output import plural
 from streamkit.cli.security_options import security_options
@@ -66,8 +67,9 @@ class MemberOutOfReach(CliError):
 @click.argument("request")
 @click.option("--key", default=None, help="Ask only the shard owning this key.")
 @click.option("--shard", default=None, help="Ask only this shard.")
-@click.option("--keyspace", default=None,
-              help="KeySpace (default: APP_DIR/.streamkit/keyspace.db).")
+@click.option("--keyspace", default=None, envvar="STREAMKIT_KEYSPACE", show_envvar=True,
+              help="KeySpace file, sqlite:/// or etcd://host:port/prefix URL "
+                   "(default: APP_DIR/.streamkit/keyspace.db).")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0,
               show_default=True, metavar="SECONDS",
               help="How long to wait for each shard's answer.")
@@ -89,8 +91,9 @@ async def query(app_dir: Path, request: str, key: str | None, shard: str | None,
     if not isinstance(parsed, dict):
         raise CliError("REQUEST must be a JSON object, like '{\"word\": \"hello\"}'", DATA_ERROR)
     config = load_config(app_dir)
+    keyspace = keyspace or app_keyspace(config, app_dir)
     app_class = config.load_application()
-    async with open_keyspace(keyspace or str(config.data_dir / "keyspace.db")) as ks:
+    async with open_keyspace(keyspace) as ks:
         config = await deployed_config(config, ks)  # the shards as deployed, not the file's
         resolver = Resolver(config, ks)
         primaries = await resolver.primaries()

@@ -27,6 +27,7 @@ from google.protobuf import json_format
 from streamkit.app.config import CONFIG_FILE, load_config
 from streamkit.app.shard_ops import BadRequest, CorruptHints
 from streamkit.auth.settings import Security
+from streamkit.cli.app_keyspace import app_keyspace
 from streamkit.cli.errors import DATA_ERROR, FAILURE, CliError, async_command, warn
 from streamkit.cli.inputs import read_text_input
 from streamkit.cli.output import echo_json, echo_table, format_labels, plural
@@ -92,11 +93,7 @@ def _locate(app_dir: Path, keyspace_url: str | None, root: str | None) -> tuple[
                            f"in {app_dir} to take it from)", DATA_ERROR)
         config = load_config(app_dir)
         root = root or config.keyspace_root
-        if keyspace_url is None:
-            keyspace_url = str(config.data_dir / "keyspace.db")
-            if not Path(keyspace_url).exists():
-                raise CliError(f"no KeySpace at {keyspace_url}: the app hasn't run here yet "
-                               f"(`streamkit run {app_dir}`), or pass --keyspace")
+        keyspace_url = keyspace_url or app_keyspace(config, app_dir)
     if not root.startswith("/") or root.rstrip("/") == "":
         raise CliError(f"--root must be an absolute KeySpace path such as "
                        f"/gazette/consumers/NAME (got {root!r})", DATA_ERROR)
