@@ -383,3 +383,16 @@ async def test_consumer_address_reaches_shards_through_a_member(shared_broker: A
             assert code == 2 and "INVALID_ARGUMENT" in err, err
     code, _, err = await _cli("list", *elsewhere, "--consumer", f"127.0.0.1:{free_port()}")
     assert code == 1 and "UNAVAILABLE" in err and "member 127.0.0.1:" in err, err
+
+
+@pytest.mark.parametrize("url", ["http://x:1/a", "etcd://no-port"])
+def test_a_keyspace_url_in_no_accepted_form_is_bad_input(tmp_path: Path, url: str) -> None:
+    """Exit 2 naming the URL, from every command taking --keyspace (serve said 1)."""
+    assert CliRunner().invoke(cli, ["new", "kapp", "--dir", str(tmp_path)]).exit_code == 0
+    app_dir = str(tmp_path / "kapp")
+    for args in (["shards", "list", "--app", app_dir], ["query", app_dir, "{}"],
+                 ["serve", app_dir, "--broker", "127.0.0.1:1"]):
+        result = CliRunner().invoke(cli, [*args, "--keyspace", url])
+        assert result.exit_code == 2, (args, result.stderr)
+        assert result.stderr.startswith(f"streamkit: error: {url}") or (
+            f"invalid etcd URL '{url}'" in result.stderr), (args, result.stderr)

@@ -102,6 +102,7 @@ def explain(exc: BaseException) -> tuple[list[str], int]:
 
     from streamkit.broker.stores import FragmentStoreError
     from streamkit.client.errors import BrokerError, JournalNotFound, TransportError
+    from streamkit.keyspace.keyspace import KeySpaceURLError
     from streamkit.protocol.labels import SelectorError
     from streamkit.protocol.problems import SpecError
 
@@ -109,6 +110,8 @@ def explain(exc: BaseException) -> tuple[list[str], int]:
         return [_one_line(str(problem)) for problem in exc.problems], DATA_ERROR
     if isinstance(exc, SelectorError):
         return [f"bad label selector: {_one_line(str(exc))}"], DATA_ERROR
+    if isinstance(exc, KeySpaceURLError):
+        return [_one_line(str(exc))], DATA_ERROR
     if isinstance(exc, JournalNotFound):
         return [f"journal not found ({exc.detail or exc.name})"], FAILURE
     if isinstance(exc, BrokerError):

@@ -62,6 +62,7 @@ from streamkit.keyspace.keyspace import (
     Event,
     KeySpace,
     KeySpaceError,
+    KeySpaceURLError,
     KeyValue,
     LeaseNotFoundError,
     Op,
@@ -112,7 +113,7 @@ def parse_url(url: str) -> tuple[list[str], str]:
     for endpoint in endpoints:
         host, _, port = endpoint.rpartition(":")
         if not (_HOST.fullmatch(host) and port.isdigit() and 0 < int(port) < 65536):
-            raise KeySpaceError(f"invalid etcd URL {url!r}: expected {URL_FORM}")
+            raise KeySpaceURLError(f"invalid etcd URL {url!r}: expected {URL_FORM}")
     return endpoints, prefix
 
 

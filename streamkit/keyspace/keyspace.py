@@ -29,6 +29,10 @@ class KeySpaceError(StreamkitError):
     """Base class of every error a `KeySpace` raises."""
 
 
+class KeySpaceURLError(KeySpaceError, ValueError):
+    """A KeySpace URL in none of the accepted forms (bad input, not a KeySpace failing)."""
+
+
 class CompactedError(KeySpaceError):
     """A watch asked for history that compaction already dropped.
 
@@ -273,9 +277,10 @@ def open_keyspace(url: str, **options: float) -> KeySpace:
     if url.startswith("sqlite://"):
         path = url.removeprefix("sqlite://")
         if not path.startswith("/"):
-            raise KeySpaceError(f"{url}: expected sqlite:///absolute/path.db")
+            raise KeySpaceURLError(f"{url}: expected sqlite:///absolute/path.db")
     elif "://" in url:
-        raise KeySpaceError(f"{url}: unknown keyspace URL scheme")
+        raise KeySpaceURLError(f"{url}: unknown keyspace URL scheme (expected a file path, "
+                               "sqlite:///absolute/path.db or etcd://host:port/prefix)")
     else:
         path = url
     from streamkit.keyspace.sqlite import SQLiteKeySpace
