@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import resource
+import signal
 import subprocess
 import sys
 import time
@@ -306,3 +308,24 @@ async def _writer(address: str, log: str, directory: str) -> None:
 
 if __name__ == "__main__":
     asyncio.run(_writer(*sys.argv[1:]))
+
+
+async def test_a_full_disk_names_the_file_it_could_not_write(tmp_path: Path) -> None:
+    """A write failing (here the file-size limit, as a full disk) fails the commit with an
+    error naming the store's file: it said only "[Errno 27] File too large"."""
+    fs = RecordedFS(tmp_path, Recorder(None, "log", FSM(rpb.FSMHints(log="log"))))  # type: ignore[arg-type]
+    store = JSONFileStore(fs, {"items": []})
+    await store.restore_checkpoint(SHARD)
+    store.state["items"] = ["x" * 1000] * 100  # 100 kB: past the limit below
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, limits[1]))
+    try:
+        op = await store.start_commit(SHARD, consumer_pb.Checkpoint(), [])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
+    with pytest.raises(OSError) as caught:
+        await op
+    assert caught.value.filename == str(tmp_path / "state.json.next"), caught.value
+    assert "File too large" in str(caught.value)

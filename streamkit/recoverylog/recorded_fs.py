@@ -67,8 +67,11 @@ class RecordedFile:
             self._pos = os.lseek(self._fd, 0, os.SEEK_END)
         data = bytes(data)
         written = 0
-        while written < len(data):
-            written += os.pwrite(self._fd, data[written:], self._pos + written)
+        try:
+            while written < len(data):
+                written += os.pwrite(self._fd, data[written:], self._pos + written)
+        except OSError as error:  # a full disk, say: name the file (a bare fd error doesn't)
+            raise OSError(error.errno, error.strerror, str(self.fs.local(self.path))) from None
         if self.fs.recorder.is_live(self.fnode):  # not if removed while open
             self.fs.recorder.record_write(self.fnode, data, self._pos)
         self._pos += len(data)
