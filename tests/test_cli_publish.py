@@ -113,6 +113,36 @@ def test_bad_line_stops_after_publishing_the_lines_before(shared_broker: BrokerP
     assert sorted(m["n"] for lines in landed.values() for m in lines) == [0, 1]
 
 
+@pytest.mark.parametrize("given", [True, False], ids=["unpublished-file", "no-file"])
+def test_a_failed_append_accounts_exactly_for_what_committed(tmp_path: Path,
+                                                             given: bool) -> None:
+    """The broker's disk fills part-way: the command fails saying how many messages
+    committed, and with --unpublished writes the rest, whose publishing then completes the
+    input exactly once (a retry of the whole input published the committed part twice)."""
+    broker = BrokerProcess(tmp_path / "broker", fsize_limit=256 << 10).start()
+    try:
+        selector, names = make_topic(broker, 2)
+        messages = [{"n": n, "k": f"k{n % 97}", "pad": "x" * 24} for n in range(20000)]
+        rest = tmp_path / "rest.jsonl"
+        more = ["--unpublished", str(rest)] if given else []
+        err = failure(broker.address, "-l", selector, "--key", "k", *more,
+                      input=json_lines(messages), code=1)
+        assert "RESOURCE_EXHAUSTED" in err and "were committed" in err, err
+        if not given:
+            assert "would publish the committed ones twice" in err, err
+            return
+        assert f"are in {rest}: publish it to finish" in err, err
+        broker.kill()
+        broker.fsize_limit = None
+        broker.start()
+        result = run(broker.address, "-l", selector, "--key", "k", "-i", str(rest))
+        assert result.returncode == 0, result.stderr.decode()
+        landed = contents(broker, names)
+        assert sorted(m["n"] for lines in landed.values() for m in lines) == list(range(20000))
+    finally:
+        broker.kill()
+
+
 @pytest.mark.parametrize(("text", "args", "code", "message"), [
     (b'{"n": 0}\n', ["--key", "user"], 2, "input line 1: the message has no field 'user'"),
     (b'[1, 2]\n', [], 2, "input line 1: expected a JSON object, got list"),

@@ -12,21 +12,29 @@ with a one-line error naming the line and exit code 2, after the lines
 before it have been published and committed. Nothing from the bad line on
 is appended, so re-running on the rest of the input (`tail -n +LINE`)
 publishes every line exactly once.
+
+A failed append (a broker's full disk, say) stops it with exit code 1 and an
+exact account: appends to different journals fail independently, so what
+committed is no prefix of the input. `--unpublished FILE` gets the lines
+that were not committed, then the input not read yet: publishing that file
+completes the job, each line once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import IO, Any
 
 import click
 import orjson
 
 from streamkit.auth.settings import Security
-from streamkit.cli.errors import DATA_ERROR, CliError, async_command
+from streamkit.cli.errors import DATA_ERROR, CliError, async_command, explain
 from streamkit.cli.journals import broker_option, opened_input
 from streamkit.cli.output import plural
 from streamkit.cli.security_options import security_options
@@ -116,10 +124,35 @@ def _check_journals(polled: PolledList, selector: str) -> None:
             ) from None
 
 
-async def _committed(last: dict[str, OpFuture]) -> None:
-    """Wait until every journal's last append (and so all before it) committed."""
-    for future in last.values():
-        await future
+class _Unsettled:
+    """The input lines of appends not known to have committed yet, by append (appends
+    batch many lines under one OpFuture): what a failed append leaves to publish again.
+    Appends that committed are forgotten as the command goes, so this holds only the
+    lines in flight."""
+
+    _SWEEP = 256  # appends held before forgetting the committed ones
+
+    def __init__(self) -> None:
+        self.lines: dict[OpFuture, list[tuple[int, bytes]]] = {}
+
+    def add(self, future: OpFuture, number: int, line: bytes) -> None:
+        held = self.lines.get(future)
+        if held is None:
+            if len(self.lines) >= self._SWEEP:
+                self.lines = {f: held for f, held in self.lines.items() if not f.succeeded()}
+            held = self.lines[future] = []
+        held.append((number, line))
+
+    async def failed(self) -> list[tuple[int, bytes]]:
+        """Once every append settled, the lines of those that failed, in input order."""
+        for future in self.lines:
+            await future.wait()
+        return sorted(item for future, held in self.lines.items() if not future.succeeded()
+                      for item in held)
+
+
+class _AppendFailed(Exception):
+    """An append of the publish failed (its error is the cause)."""
 
 
 async def _progress(tally: Counter[str], started: float) -> None:
@@ -131,31 +164,91 @@ async def _progress(tally: Counter[str], started: float) -> None:
 
 
 async def publish_lines(publisher: Publisher, mapping: MappingFunc, source: IO[bytes],
-                        tally: Counter[str]) -> None:
-    """Publish each JSON line committed; stop at the first bad line (see the module doc)."""
+                        tally: Counter[str], unpublished: IO[bytes] | None = None) -> None:
+    """Publish each JSON line committed; stop at the first bad line (see the module doc).
+
+    An append that fails stops the command too, with an exact account: how many of the
+    messages read were committed, and (written to `unpublished`, then the input not read)
+    the lines that were not, in input order, to publish again exactly once."""
     recording = _Recording(mapping)
-    last: dict[str, OpFuture] = {}
-    number = 0
-    async for lines in _line_batches(source):
-        for line in lines:
-            number += 1
-            if not line.strip():
-                continue
-            try:
-                future = await publisher.publish_committed(recording, _parse(line))
-            except ValueError as err:
-                await _committed(last)
-                raise CliError(
-                    f"input line {number}: {err} (stopped there; the "
-                    f"{plural(tally.total(), 'message')} before it were published)",
-                    DATA_ERROR,
-                ) from None
-            journal = recording.journal
-            last[journal] = future
-            tally[journal] += 1
-            if future.done() and future.exception() is not None:
-                await future  # a journal's appends failed: later ones would fail alike
-    await _committed(last)
+    unsettled = _Unsettled()
+    batches = _line_batches(source)
+    number, rest = 0, []
+    try:
+        async for lines in batches:
+            for index, line in enumerate(lines):
+                number += 1
+                if not line.strip():
+                    continue
+                try:
+                    future = await publisher.publish_committed(recording, _parse(line))
+                except ValueError as err:
+                    await _settled(unsettled)
+                    raise CliError(
+                        f"input line {number}: {err} (stopped there; the "
+                        f"{plural(tally.total(), 'message')} before it were published)",
+                        DATA_ERROR,
+                    ) from None
+                unsettled.add(future, number, line)
+                tally[recording.journal] += 1
+                if future.done() and future.exception() is not None:
+                    rest = lines[index + 1:]  # a journal's appends failed: later ones would too
+                    raise _AppendFailed from future.exception()
+        await _settled(unsettled)
+    except _AppendFailed as failure:
+        await _report_failure(failure.__cause__, unsettled, tally, number, rest, batches,
+                              unpublished)
+
+
+async def _settled(unsettled: _Unsettled) -> None:
+    """Wait for every append; raise _AppendFailed if one failed."""
+    for future in unsettled.lines:
+        await future.wait()
+        if future.exception() is not None:
+            raise _AppendFailed from future.exception()
+
+
+async def _report_failure(cause: BaseException | None, unsettled: _Unsettled,
+                          tally: Counter[str], read: int, rest: list[bytes],
+                          batches: AsyncIterator[list[bytes]],
+                          unpublished: IO[bytes] | None) -> None:
+    failed = await unsettled.failed()
+    committed = tally.total() - len(failed)
+    account = (f"{committed:,} of the {tally.total():,} messages read were committed, "
+               f"{len(failed):,} were not")
+    if unpublished is None:
+        hint = ("; publishing the same input again would publish the committed ones twice "
+                "(--unpublished FILE writes the lines not committed, and the rest of the "
+                "input, to publish once)")
+    else:
+        for _, line in failed:
+            unpublished.write(line + b"\n")
+        for line in rest:
+            unpublished.write(line + b"\n")
+        async for lines in batches:
+            for line in lines:
+                unpublished.write(line + b"\n")
+        hint = (f"; those, and the input after line {read:,}, are in {unpublished.name}: "
+                "publish it to finish")
+    try:
+        what = "; ".join(explain(cause)[0]) if cause is not None else "an append failed"
+    except Exception:  # not one of the errors explained: its type and message
+        what = f"{type(cause).__name__}: {cause}"
+    raise CliError(f"{what}; {account}{hint}")
+
+
+@contextlib.contextmanager
+def _opened_output(path: Path | None) -> Iterator[IO[bytes] | None]:
+    """`path` opened for writing now (a bad one is said before publishing anything)."""
+    if path is None:
+        yield None
+        return
+    try:
+        output = path.open("wb")
+    except OSError as err:
+        raise CliError(f"--unpublished {path}: {err.strerror or err}", DATA_ERROR) from None
+    with output:
+        yield output
 
 
 @click.command("publish")
@@ -169,11 +262,15 @@ async def publish_lines(publisher: Publisher, mapping: MappingFunc, source: IO[b
                    "are added; random (default without --key).")
 @click.option("-i", "--input", "input_path", default="-", show_default=True, metavar="FILE",
               help='JSON lines to publish ("-" for stdin).')
+@click.option("--unpublished", "unpublished_path", default=None, metavar="FILE",
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="If an append fails, write the lines that were not committed, and the input "
+                   "not read yet, to FILE: publishing it then finishes the job exactly once.")
 @broker_option
 @security_options()
 @async_command()
 async def publish(selector: str, key: str | None, mapping: str | None, input_path: str,
-                  broker: str, security: Security) -> None:
+                  unpublished_path: Path | None, broker: str, security: Security) -> None:
     """Publish JSON lines as committed messages to the journals matching SELECTOR.
 
     Each line must be a JSON object; its "uuid" field is set to the
@@ -190,8 +287,10 @@ async def publish(selector: str, key: str | None, mapping: str | None, input_pat
         progress = asyncio.create_task(_progress(tally, started))
         try:
             async with AppendService(client) as service:
-                with opened_input(input_path) as source:
-                    await publish_lines(Publisher(service), mapping_func, source, tally)
+                with opened_input(input_path) as source, _opened_output(
+                        unpublished_path) as unpublished:
+                    await publish_lines(Publisher(service), mapping_func, source, tally,
+                                        unpublished)
         except EmptyPartitions as err:  # every journal was deleted while publishing
             raise CliError(str(err)) from None
         finally:
