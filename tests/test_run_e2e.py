@@ -25,6 +25,7 @@ from tests.e2e import (
     AppView,
     Code,
     Feeder,
+    Proc,
     cli,
     copy_wordcount,
     eventually,
@@ -320,6 +321,24 @@ def test_member_names_follow_gazettes_rules(tmp_path: Path) -> None:
         done = cli("serve", str(app), "--broker", "127.0.0.1:1", option, value, timeout=30)
         assert done.returncode == 2, done
         assert done.stderr.count("\n") == 1 and reason in done.stderr, done.stderr
+
+
+def test_a_member_of_an_app_not_deployed_in_its_keyspace_says_so(tmp_path: Path) -> None:
+    """A wrong --keyspace prefix (or no deploy) left `serve` serving nothing without a word."""
+    app = copy_wordcount(tmp_path / "wordcount")
+    empty = tmp_path / "elsewhere.db"
+    member = Proc.streamkit(["serve", str(app), "--broker", "127.0.0.1:1", "--keyspace",
+                             str(empty), "--suffix", "lost-member"], tmp_path / "serve.log")
+    member.start()
+    try:
+        deadline = time.monotonic() + LIVENESS
+        while "no shards deployed" not in member.text():
+            assert member.alive and time.monotonic() < deadline, member.log()
+            time.sleep(0.05)
+        assert (f"app wordcount has no shards deployed in KeySpace {empty}" in member.text()
+                and f"streamkit deploy {app}" in member.text()), member.log()
+    finally:
+        member.stop()
 
 
 async def test_restart_after_sigkill_does_not_wait_out_the_old_lease(

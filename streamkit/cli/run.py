@@ -50,7 +50,7 @@ from streamkit.app.waits import first_of
 from streamkit.auth.settings import Exposed, Security
 from streamkit.broker.data_lock import data_dir_holder
 from streamkit.cli.children import Child, Supervisor, port_in_use, start_child
-from streamkit.cli.errors import DATA_ERROR, CliError, async_command
+from streamkit.cli.errors import DATA_ERROR, CliError, async_command, warn
 from streamkit.cli.logs import configure_logging
 from streamkit.cli.security_options import security_env, security_options
 from streamkit.client.environment import BROKER_ENV
@@ -566,9 +566,13 @@ async def serve(app_dir: Path, broker: str, keyspace: str | None, shards: int | 
     if problems := problems_of(pb.ProcessSpec.ID(zone=zone, suffix=suffix)):
         raise CliError("--zone/--suffix: " + "; ".join(problems), DATA_ERROR)
     config, app_class = app_config(app_dir, shards, None, store)
-    async with BrokerClient(broker, security) as client, open_keyspace(
-            keyspace_url_of(config, keyspace)) as ks:
-        await check_layout(config, ks)
+    keyspace = keyspace_url_of(config, keyspace)
+    async with BrokerClient(broker, security) as client, open_keyspace(keyspace) as ks:
+        # (A worker of `run` starts while run deploys: no layout yet is no news to it.)
+        if await check_layout(config, ks) is None and not worker_of_run:  # a typo in a URL
+            warn(f"app {config.name} has no shards deployed in KeySpace {keyspace} (under "
+                 f"{config.keyspace_root}): this member serves none until `streamkit deploy "
+                 f"{app_dir}` with this --keyspace puts them there (is the URL's prefix right?)")
         await _check_broker_accepts(client, broker)
         async with _member(config, app_class, client, ks, suffix=suffix, zone=zone,
                            lease_ttl=lease_ttl, broker_file_root=file_root, security=security,
