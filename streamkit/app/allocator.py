@@ -47,8 +47,11 @@ with its own policy on a crash:
   extends leases, and the member serves its assignments again), or finds the
   lease expired (announce again, as above). Only a KeySpace silent for
   `KEYSPACE_PATIENCE` seconds past the TTL raises `LeaseLost`: an outage that
-  long is the operator's to see. That, and any other crash, gives the
-  allocator up (below).
+  long is the operator's to see. Time the process itself was frozen (the loop's
+  sleep overslept by more than the TTL) is not the KeySpace's silence: the lease
+  is doubted at once, and a keepalive has the TTL plus `KEYSPACE_PATIENCE`
+  afresh from the thaw to be answered. `LeaseLost`, like any other crash,
+  gives the allocator up (below).
 * watch and converge: restarted with backoff (`RESTART`); they rebuild their
   state on starting (the watch reads the KeySpace afresh, converge plans from
   the current state), so a transient bug costs a pause. After too many quick
@@ -117,6 +120,8 @@ DOUBT = 3 / 4
 KEYSPACE_PATIENCE = 10.0
 # At most this long a new leader holds its first assignment back for expected members.
 EXPECT_PATIENCE = 10.0
+# The first pause before watching the KeySpace again after an error (doubling to 1 s).
+_WATCH_RETRY = 0.1
 # How the watch and converge loops are restarted after a crash.
 RESTART = Restart()
 
@@ -620,23 +625,59 @@ class Allocator:
         keeper = self._keeper
         assert keeper is not None
         warned: str | None = None
+        period = self.lease_ttl / 20  # often: doubt must come well before the lease can lapse
+        # Since when the KeySpace's silence counts toward KEYSPACE_PATIENCE: the last answered
+        # keepalive, or the end of a freeze of the process, if later.
+        thawed_at = 0.0
+        unannounced_since: float | None = None  # when announcing again began to fail
+        unannounced_error: str | None = None
         while True:
-            # Often: the doubt must be noticed well before the lease can lapse.
-            await asyncio.sleep(self.lease_ttl / 20)
+            slept_from = time.monotonic()
+            await asyncio.sleep(period)
+            frozen = time.monotonic() - slept_from - period
+            if frozen > self.lease_ttl:
+                # The process was paused as a whole (SIGSTOP, a VM pause), not the KeySpace
+                # silent: nothing ran to keep the lease alive, so it may well have lapsed
+                # (stop serving at once), but the keeper gets its full patience from now on
+                # to hear whether it did. (An event loop blocked by user code looks the same;
+                # if the keeper, running meanwhile, was answered, there is nothing to doubt.)
+                thawed_at = time.monotonic()
+                if thawed_at - keeper.answered_at >= DOUBT * self.lease_ttl:
+                    if not self._in_doubt:
+                        log.warning(
+                            "member %s: nothing ran for %.1fs (the process was paused, or its "
+                            "event loop blocked; lease TTL %gs): its lease may have lapsed, so "
+                            "it stops serving its shards", self.member, frozen, self.lease_ttl,
+                        )
+                    self._set_doubt(True)
             if keeper.expired_lease == self.lease:
-                log.warning("member %s lost its lease; announcing again", self.member)
+                if unannounced_since is None:
+                    log.warning("member %s lost its lease; announcing again", self.member)
                 self._set_doubt(True)  # its assignments are gone: serve none until announced
                 try:
                     await self._announce()
                 except KeySpaceError as e:
-                    log.warning("member %s could not announce itself again: %s", self.member, e)
+                    # A KeySpace that can't be written (a full disk) gets the patience a
+                    # silent one gets, tried once a TTL (each try writes), said once.
+                    now = time.monotonic()
+                    unannounced_since = unannounced_since or now
+                    if now - unannounced_since >= self.lease_ttl + KEYSPACE_PATIENCE:
+                        raise LeaseLost(f"member {self.member} could not announce itself "
+                                        f"again for {now - unannounced_since:.1f}s: {e}") from e
+                    if str(e) != unannounced_error:
+                        log.warning("member %s could not announce itself again (retrying "
+                                    "every %gs): %s", self.member, self.lease_ttl, e)
+                        unannounced_error = str(e)
+                    await asyncio.sleep(self.lease_ttl)
                     continue
+                unannounced_since = unannounced_error = None
                 keeper.keep(self.lease)
                 self._set_doubt(False)
                 continue
             error = keeper.error
-            silent = time.monotonic() - keeper.answered_at
-            if silent >= self.lease_ttl + KEYSPACE_PATIENCE:
+            now = time.monotonic()
+            silent = now - keeper.answered_at
+            if now - max(keeper.answered_at, thawed_at) >= self.lease_ttl + KEYSPACE_PATIENCE:
                 raise LeaseLost(
                     f"no keepalive of lease {self.lease} answered for {silent:.1f}s "
                     f"(TTL {self.lease_ttl:g}s; last error: {error or 'none'}): "
@@ -664,14 +705,18 @@ class Allocator:
         """Keep `state` current; reads the whole state first, as a restart must."""
         prefixes = tuple(f"{self.root}/{part}/" for part in ("items", "members", "assign"))
         revision: int | None = None  # None: read the whole state (again)
+        failed: str | None = None  # the last error said
+        pause = _WATCH_RETRY
         while True:
             try:
                 if revision is None:
                     revision = await self._reload()
+                    failed, pause = None, _WATCH_RETRY
                 async with contextlib.aclosing(
                     self.keyspace.watch(self.root + "/", revision)
                 ) as events:
                     async for batch in events:
+                        failed, pause = None, _WATCH_RETRY
                         relevant = False
                         for event in batch:
                             if not event.kv.key.startswith(prefixes):
@@ -687,8 +732,12 @@ class Allocator:
             except CompactedError:
                 revision = None
             except KeySpaceError as e:
-                log.warning("allocator watch failed (%s); retrying", e)
-                await asyncio.sleep(0.1)
+                # A pause growing to a second, said once per kind of error (not ten a second).
+                if str(e) != failed:
+                    log.warning("allocator watch failed (%s); retrying", e)
+                    failed = str(e)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 1.0)
 
     def _awaiting_members(self, state: AllocState) -> bool:
         """Whether to hold the first assignment back for the expected members (see __init__)."""

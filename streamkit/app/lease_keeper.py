@@ -12,7 +12,8 @@ The keeper only reports: the allocator's loop looks at `answered_at` and
 `expired_lease` to announce the member again, to stop serving its shards while
 the lease is in doubt, or to give it up (`LeaseLost`).
 When the process is paused as a whole (SIGSTOP, a VM pause), nothing runs and
-the lease lapses, as it should.
+the lease lapses, as it should; on waking, the allocator doubts the lease at once
+and waits afresh for this thread to hear whether the KeySpace still has it.
 """
 
 from __future__ import annotations
@@ -87,7 +88,11 @@ class LeaseKeeper:
     async def _keep_alive(self) -> None:
         keyspace = self._keyspace.reopen()
         try:
-            while not self._stop.is_set():
+            while True:
+                # Stop only after a sleep, never right after a keepalive: a keepalive's grpc
+                # call, cancelled once answered, completes a moment later, and grpc hands
+                # that completion to this thread's loop even once `asyncio.run` closed it
+                # ("RuntimeError: Event loop is closed", logged by the loop polling then).
                 await asyncio.sleep(self.ttl / KEEPALIVES_PER_TTL)
                 if self._stop.is_set():
                     break
