@@ -17,6 +17,8 @@ import logging
 from collections.abc import Awaitable, Iterator
 from typing import Any, TypeVar
 
+from streamkit.errors import StreamkitError
+
 __all__ = ["Countdown", "cancel_and_wait", "finish", "wait_finished"]
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,9 @@ async def wait_finished(task: asyncio.Future[T], what: str) -> T | None:
         return None
     error = task.exception()
     if error is not None:
-        log.warning("dropped the error of %s: %s", what, _describe(error), exc_info=error)
+        # A StreamkitError says what and where; a traceback is for the unexpected.
+        log.warning("dropped the error of %s: %s", what, _describe(error),
+                    exc_info=None if isinstance(error, StreamkitError) else error)
         return None
     return task.result()
 

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -24,6 +25,9 @@ from streamkit.keyspace import KeySpaceError, SQLiteKeySpace
 from tests.brokerproc import BrokerProcess
 from tests.e2e import AppView, Proc, copy_wordcount, eventually, serve_app
 from tests.waiting import LIVENESS
+
+if TYPE_CHECKING:
+    from tests.etcdproc import EtcdServer
 
 pytest_plugins = ["tests.etcdproc"]  # the etcd fixtures
 
@@ -164,6 +168,39 @@ async def test_a_keyspace_that_cannot_be_written_gets_the_same_patience(
         (failure,) = failures
         assert isinstance(failure.error, LeaseLost), failure
         assert "could not announce itself again for" in str(failure.error)
-        said = [r for r in caplog.records if "could not announce itself again" in r.message]
+        said = [r for r in caplog.records if r.name == "streamkit.app.allocator"
+                and "could not announce itself again" in r.message]
         assert len(said) == 1, [r.message for r in said]
         await allocator.close()
+
+
+@pytest.mark.timeout(180)
+async def test_a_member_whose_etcd_is_gone_exits_once_without_tracebacks(
+        private_etcd: EtcdServer, tmp_path: Path) -> None:
+    """etcd gone for good: the member gives up after TTL + patience and exits 1 saying why
+    in a line, without first spending the KeySpace's patience again on revoking a lease
+    that lapsed, and without tracebacks for failures that say what they are."""
+    app = copy_wordcount(tmp_path / "wordcount")
+    url = private_etcd.url("gone/")
+    broker = BrokerProcess(tmp_path / "broker").start()
+    member: Proc | None = None
+    try:
+        async with AppView(app, broker.address, keyspace=url) as view:
+            await view.state()
+            await deploy(view.config, view.client, view.keyspace)
+            member = serve_app(app, broker.address, "node-a", tmp_path / "member.log",
+                               "--keyspace", url, "--lease-ttl", f"{TTL:g}")
+            await view.wait_serving(LIVENESS)
+            private_etcd.stop()
+            stopped = time.monotonic()
+            assert member.proc is not None
+            code = await asyncio.to_thread(member.proc.wait, LIVENESS + TTL + KEYSPACE_PATIENCE)
+            took = time.monotonic() - stopped
+        print(f"exited {took:.1f}s after etcd stopped:\n{member.text()[-2000:]}")
+        assert code == 1, member.log()
+        assert "LeaseLost" in member.text() and "Traceback" not in member.text(), member.log()
+        assert took < TTL + 2 * KEYSPACE_PATIENCE, f"{took:.1f}s: it waited to revoke"
+    finally:
+        if member is not None:
+            member.stop()
+        broker.kill()

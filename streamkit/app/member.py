@@ -36,7 +36,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamkit.app.allocator import Allocator
+from streamkit.app.allocator import Allocator, LeaseLost
 from streamkit.app.application import Application
 from streamkit.app.assignment import Assignment, MemberId
 from streamkit.app.config import AppConfig
@@ -242,7 +242,10 @@ class Member:
             await self.service.stop(timeout)
         finally:
             if self.allocator is not None:
-                await self.allocator.leave()
+                if self.failure is not None and isinstance(self.failure.error, LeaseLost):
+                    await self.allocator.close()  # the lease lapsed: nothing to revoke
+                else:
+                    await self.allocator.leave()
 
     async def wait_failed(self) -> LoopFailure:
         """Until a loop of this member failed for good (it then stops by itself)."""
@@ -267,6 +270,9 @@ class Member:
     async def _stop_failed(self) -> None:
         try:
             await self._stop(FAILED_STOP_TIMEOUT)
+        except KeySpaceError as error:  # out of reach too: the lease lapses by itself
+            log.warning("member %s: could not leave the KeySpace (%s); its lease lapses by "
+                        "itself", self.options.member_id(), error)
         except Exception:  # the loop's failure is what gets reported; this is its aftermath
             log.exception(
                 "member %s: stopping after its failure failed as well", self.options.member_id()

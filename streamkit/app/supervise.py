@@ -24,6 +24,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from streamkit.errors import StreamkitError
+
 __all__ = ["LoopFailure", "Restart", "supervised"]
 
 log = logging.getLogger(__name__)
@@ -96,7 +98,10 @@ async def _supervise(
         crashes = crashes + 1 if quick else 1
         if restart is None or crashes > restart.limit:
             after = f" after {restart.limit} quick restarts in a row" if restart else ""
-            log.error("%sloop %s failed%s; giving up on it", who, name, after, exc_info=error)
+            # LeaseLost and its like say what happened: a traceback is for bugs.
+            log.error("%sloop %s failed%s; giving up on it: %s: %s", who, name, after,
+                      type(error).__name__, error,
+                      exc_info=None if isinstance(error, StreamkitError) else error)
             on_give_up(LoopFailure(name, error))
             return
         pause = restart.pause(crashes)
