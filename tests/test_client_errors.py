@@ -9,6 +9,7 @@ import pytest
 
 from streamkit.client import Appender, BrokerClient, Reader
 from streamkit.client.errors import (
+    Backoff,
     BrokerUnavailable,
     TransportError,
     is_transient,
@@ -80,3 +81,16 @@ async def test_an_unreachable_broker_raises_broker_unavailable() -> None:
                 await appender.commit()
         finally:
             await client.close()
+
+
+def test_retries_are_said_ever_more_rarely() -> None:
+    """A stream retrying through an outage logs its first retries, then at doubling counts:
+    about once a minute at the 2 s ceiling, not every 2 s per stream."""
+    backoff = Backoff()
+    said = []
+    for _ in range(40):
+        said.append(backoff.worth_saying())
+        backoff.next_delay()
+    assert [n for n, say in enumerate(said) if say] == [0, 1, 2, 4, 8, 16, 32]
+    backoff.reset()
+    assert backoff.worth_saying()

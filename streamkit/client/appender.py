@@ -232,7 +232,8 @@ async def append_with_retries(
             if not is_transient(exc):
                 raise
             client.forget_route(journal)
-            log.info("retrying append to %s: %s", journal, describe(exc))
+            log.log(logging.INFO if backoff.worth_saying() else logging.DEBUG,
+                    "retrying append to %s: %s", journal, describe(exc))
             await backoff.sleep()
 
 

@@ -244,6 +244,13 @@ class Backoff:
     def reset(self) -> None:
         self.attempt = 0
 
+    def worth_saying(self) -> bool:
+        """Whether the retry about to wait is worth a log line: the first ones, then ever
+        more rarely (retries 1, 2, 3, 5, 9, 17 …), so that an outage is said about once a
+        minute per stream rather than every 2 s."""
+        n = self.attempt
+        return n & (n - 1) == 0
+
     def next_delay(self) -> float:
         attempt, self.attempt = self.attempt, self.attempt + 1
         if attempt == 0:

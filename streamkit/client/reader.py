@@ -267,7 +267,9 @@ class RetryReader(_ByteStream):
                 self._drop()
                 if not _retryable(exc):
                     raise
-                level = logging.INFO if is_transient(exc) else logging.WARNING
+                level = logging.WARNING
+                if is_transient(exc):
+                    level = logging.INFO if self._backoff.worth_saying() else logging.DEBUG
                 log.log(level, "restarting read of %s at %d: %s",
                         self.journal, self.offset, describe(exc))
                 await self._backoff.sleep()
