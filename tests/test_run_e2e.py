@@ -19,7 +19,7 @@ from pathlib import Path
 from streamkit.app.config import load_config
 from streamkit.app.member import deploy
 from streamkit.app.member_http import http_url
-from tests.brokerproc import BrokerProcess
+from tests.brokerproc import BrokerProcess, free_port
 from tests.e2e import (
     POISONED,
     AppView,
@@ -139,6 +139,41 @@ async def test_hot_standby_takes_over(broker_proc: BrokerProcess, tmp_path: Path
             third = Feeder(app, address, tmp_path / "feed-3.log", start=2000, count=1000,
                            interval=0).start()
             await _check_exact(view, range(0, third.finish().stop))
+    finally:
+        for proc in members.values():
+            proc.stop()
+
+
+async def test_a_member_that_cannot_reach_the_broker_stops_at_once(
+        broker_proc: BrokerProcess, tmp_path: Path) -> None:
+    """A member given a wrong --broker holds standbys (or primaries) stuck recovering: on
+    SIGTERM it has no transaction to commit, so it stops at once. It waited out the 20 s
+    commit timeout, then said it abandoned uncommitted transactions it never had."""
+    app = copy_wordcount(tmp_path / "wordcount", standbys=1)
+    members = {}
+    try:
+        async with AppView(app, broker_proc.address) as view:
+            await view.state()  # opens (creates) the KeySpace
+            await deploy(view.config, view.client, view.keyspace)
+            members["good"] = serve_app(app, broker_proc.address, "mem-good",
+                                        tmp_path / "serve-good.log")
+            await view.wait_serving(timeout=60)
+            members["lost"] = serve_app(app, f"127.0.0.1:{free_port()}", "mem-lost",
+                                        tmp_path / "serve-lost.log")
+
+            async def assigned() -> bool:
+                state = await view.state()
+                return any(a.suffix == "mem-lost" for a in state.assignments)
+
+            await eventually(assigned, 60, "the lost member to be given replicas")
+            await asyncio.sleep(1.0)  # its replicas try to recover
+            stopping = time.monotonic()
+            code = await asyncio.to_thread(members["lost"].signal, signal.SIGTERM, LIVENESS)
+            took = time.monotonic() - stopping
+            print(f"stopped in {took:.2f}s")
+            assert code == 0, members["lost"].log()
+            assert took < 10, members["lost"].log()
+            assert "abandoning its uncommitted" not in members["lost"].text()
     finally:
         for proc in members.values():
             proc.stop()

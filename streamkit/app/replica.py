@@ -155,6 +155,11 @@ class Replica:
         self._stopping.set()
         task = self._task
         if task is not None:
+            if self.status.code != Code.PRIMARY:
+                # A standby, or a primary still taking over: no transaction to commit, so
+                # stop now, as a crash there would (it waited out `timeout` when the broker
+                # was out of reach and the recovery log could not be read).
+                task.cancel()
             done, _ = await asyncio.wait((task,), timeout=timeout)
             if not done:
                 log.warning("shard %s: not stopped within %.0fs; abandoning its uncommitted "
