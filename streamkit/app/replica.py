@@ -31,6 +31,7 @@ from streamkit.app.waits import first_of
 from streamkit.app.watchdog import HookRecord, Watchdog
 from streamkit.client import BrokerClient, RegisterMismatch
 from streamkit.client.append_service import AppendService
+from streamkit.client.reader import read_write_head
 from streamkit.keyspace.keyspace import KeySpace
 from streamkit.message.mapping import MappingFunc
 from streamkit.message.publisher import Publisher
@@ -51,6 +52,9 @@ Code = consumer_pb.ReplicaStatus.Code
 
 STOP_TIMEOUT = 20.0  # seconds a graceful stop may take before the transaction is abandoned
 _MAX_FENCES = 3  # times a primary may be fenced and recover again within the window
+# A fenced primary still primary here recovers once its log took no append for LOG_QUIET
+# seconds (a backfill's hand-over done), waiting LOG_QUIET_WAIT at most.
+LOG_QUIET, LOG_QUIET_WAIT = 2.0, 300.0
 _FENCE_WINDOW = 60.0
 # Seconds a primary that took over waits for the others of its process still taking over.
 TAKE_OVER_HOLD = 0.2
@@ -297,12 +301,41 @@ class Replica:
                              f"{_FENCE_WINDOW:.0f}s; last: {error}")
             return
         log.warning("shard %s: fenced by another author of its recovery log (%s); "
-                    "recovering again", self.id, error)
+                    "recovering again once the log is quiet", self.id, error)
+        await self._log_quiet()
+        if self._stopping.is_set():
+            self._set_status(Code.IDLE)
+            return
         assignment = self.shard.assignment
         self.shard = self._new_shard(self.shard.spec)
         self.shard.assignment = assignment
         self._task = asyncio.create_task(self._guard(self._primary(None)),
                                          name=f"primary:{self.id}")
+
+    async def _log_quiet(self) -> None:
+        """Until the recovery log took no append for LOG_QUIET seconds (at most
+        LOG_QUIET_WAIT). The author that fenced this primary while it stays primary here is
+        a backfill handing its state over: it writes its files in a run of appends, then
+        swaps them in. Recovering in the middle would take the log back and fence the
+        backfill, failing it (with input arriving, its primary commits, and is fenced, any
+        moment)."""
+        client, journal = self.shard.client, self.shard.recovery_log
+        if not journal:
+            return
+        clock = time.monotonic
+        deadline = clock() + LOG_QUIET_WAIT
+        head, since = -1, clock()
+        while clock() < deadline and not self._stopping.is_set():
+            try:
+                now = await read_write_head(client, journal)
+            except Exception as error:  # the playback will meet it, and say so
+                log.info("shard %s: cannot read its log's head (%s)", self.id, error)
+                return
+            if now != head:
+                head, since = now, clock()
+            elif clock() - since >= LOG_QUIET:
+                return
+            await first_of([self._stopping.wait()], LOG_QUIET / 8)
 
     async def _hint_candidates(self) -> list[rpb.FSMHints | None]:
         """Hints to recover from, best first: primary, backups, then the whole log."""
