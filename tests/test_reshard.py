@@ -88,10 +88,12 @@ def set_shards(folder: Path, shards: int) -> None:
     path.write_text(yaml.safe_dump(document, sort_keys=False))
 
 
-def reshard(app: Path, broker: BrokerProcess, shards: int) -> subprocess.CompletedProcess[str]:
+def reshard(app: Path, broker: BrokerProcess,
+            shards: int | None) -> subprocess.CompletedProcess[str]:
+    count = ["--shards", str(shards)] if shards is not None else []
     return subprocess.run(
         [sys.executable, "-m", "streamkit.cli.main", "backfill", str(app), "--spark",
-         "--master", "local[2]", "--shards", str(shards), "--broker", broker.address,
+         "--master", "local[2]", *count, "--broker", broker.address,
          "--keyspace", str(app / "keyspace.db"),
          "--fragment-root", str(broker.data_dir / "fragments")],
         capture_output=True, text=True, env=dict(os.environ), timeout=300)
@@ -262,6 +264,11 @@ async def test_a_failed_reshard_can_be_taken_back(broker_proc: BrokerProcess,
 
     (app / "app.py").write_text(TALLY_APP)
     set_shards(app, 4)
+    # Without --shards, streamkit.yaml's 4 is not the count the reshard was going to: it
+    # was taken as the new target without a word (a reshard "to 2" finishing at 4).
+    unsaid = await asyncio.to_thread(reshard, app, broker_proc, None)
+    assert unsaid.returncode == 2, unsaid.stderr
+    assert "to 2 shards did not finish: pass --shards 2" in unsaid.stderr, unsaid.stderr
     back = await asyncio.to_thread(reshard, app, broker_proc, 4)
     assert back.returncode == 0, back.stderr
     more = events(400, 200)

@@ -306,6 +306,13 @@ def _resharding(config: AppConfig, layout: Layout | None, shards: int | None) ->
     """Whether this backfill reshards; refuses a count that differs by accident."""
     if layout is None:
         return False
+    if layout.resharding and shards is None and config.shards != layout.shards:
+        # streamkit.yaml's count is not the one the unfinished reshard was going to.
+        raise CliError(
+            f"resharding app {config.name} to {layout.shards} shards did not finish: pass "
+            f"--shards {layout.shards} to complete it (streamkit.yaml says {config.shards})",
+            DATA_ERROR,
+        )
     if layout.resharding or (shards is not None and shards != layout.shards):
         return True
     if config.shards != layout.shards:
