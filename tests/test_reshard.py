@@ -275,3 +275,19 @@ async def test_a_failed_reshard_can_be_taken_back(broker_proc: BrokerProcess,
     await publish_to(app, broker_proc, "events", more)  # to all 4 partitions again
     sent += more
     check_tally(app, await run_live(app, broker_proc, "live-4-again"), sent)
+
+
+async def test_a_backfill_to_another_store_kind_than_the_apps_says_so(
+        broker_proc: BrokerProcess, tmp_path: Path) -> None:
+    """`--store` other than the app's: the shards run with the app's kind would find none of
+    the handed-over state and read their sources afresh (wrong counts, said nowhere)."""
+    app = write_tally(tmp_path / "tally", shards=2)
+    await publish_to(app, broker_proc, "events", events(0, 10))
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "streamkit.cli.main", "backfill", str(app), "--processes", "1",
+         "--store", "json", "--broker", broker_proc.address, "--keyspace",
+         str(app / "keyspace.db"), "--fragment-root", str(broker_proc.data_dir / "fragments")],
+        capture_output=True, text=True, env=dict(os.environ), timeout=300)
+    assert "--store json: the app's store is rocksdb" in done.stderr, done.stderr
+    assert "run it with --store json too" in done.stderr, done.stderr

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from streamkit.app.config import AppConfig
+from streamkit.app.config import AppConfig, load_config
 from streamkit.app.layout import Layout, read_layout
 from streamkit.app.member import deploy
 from streamkit.app.store_kinds import STORE_KINDS
@@ -213,7 +213,12 @@ async def backfill(app_dir: Path, use_spark: bool, processes: int | None, plan_o
     try:
         conf = dict(_key_value(item) for item in spark_conf)
         end_offsets = parse_ends(ends)
-        config, _ = app_config(app_dir, shards, None, store)
+        config, app_class = app_config(app_dir, shards, None, store)
+        usual = load_config(app_dir).for_application(app_class).store_kind
+        if store is not None and store != usual and not plan_only:
+            warn(f"--store {store}: the app's store is {usual} (streamkit.yaml, or the app's "
+                 f"class): run it with --store {store} too, or its shards will not find the "
+                 "state this backfill hands over, and will read their sources afresh")
         keyspace_url = keyspace_url_of(config, keyspace)
         async with (
             _broker(config, broker, port, keyspace_url, fragment_root,
