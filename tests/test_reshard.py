@@ -291,3 +291,14 @@ async def test_a_backfill_to_another_store_kind_than_the_apps_says_so(
         capture_output=True, text=True, env=dict(os.environ), timeout=300)
     assert "--store json: the app's store is rocksdb" in done.stderr, done.stderr
     assert "run it with --store json too" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(("end", "said"), [("events/part-000=abc", "'abc' is not an offset"),
+                                           ("events/part-000=-5", "offsets are not negative"),
+                                           ("nothing", "expected JOURNAL=OFFSET")])
+def test_a_malformed_end_is_bad_input(tmp_path: Path, end: str, said: str) -> None:
+    app = write_tally(tmp_path / "tally", shards=2)
+    done = subprocess.run([sys.executable, "-m", "streamkit.cli.main", "backfill", str(app),
+                           "--processes", "1", "--end", end], capture_output=True, text=True,
+                          env=dict(os.environ), timeout=60)
+    assert done.returncode == 2 and said in done.stderr, done.stderr  # it exited 1

@@ -212,7 +212,10 @@ async def backfill(app_dir: Path, use_spark: bool, processes: int | None, plan_o
     master = master or (driver.master if driver else "local[*]")
     try:
         conf = dict(_key_value(item) for item in spark_conf)
-        end_offsets = parse_ends(ends)
+        try:
+            end_offsets = parse_ends(ends)
+        except BackfillError as error:  # a malformed option: bad input
+            raise CliError(str(error), DATA_ERROR) from None
         config, app_class = app_config(app_dir, shards, None, store)
         usual = load_config(app_dir).for_application(app_class).store_kind
         if store is not None and store != usual and not plan_only:
