@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,10 +24,12 @@ import yaml
 from streamkit.app.config import load_config
 from streamkit.app.layout import LayoutError, read_layout
 from streamkit.app.member import Member, MemberOptions
+from streamkit.backfill.errors import BackfillError
 from streamkit.backfill.reshard import RETIRED_LABEL
 from streamkit.client import append_bytes, get_journal, write_head
 from streamkit.client.errors import BrokerError
 from streamkit.client.reader import read_write_head
+from streamkit.errors import StreamkitError
 from streamkit.protocol import pb
 from tests.brokerproc import BrokerProcess
 from tests.conftest import unavailable
@@ -302,3 +305,24 @@ def test_a_malformed_end_is_bad_input(tmp_path: Path, end: str, said: str) -> No
                            "--processes", "1", "--end", end], capture_output=True, text=True,
                           env=dict(os.environ), timeout=60)
     assert done.returncode == 2 and said in done.stderr, done.stderr  # it exited 1
+
+
+@pytest.mark.parametrize("error", [ValueError("the app's own bug"),
+                                   StreamkitError("broker call failed: disk full")],
+                         ids=["app-error", "streamkit-error"])
+def test_a_failed_task_logs_a_traceback_only_for_the_apps_own_errors(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        error: Exception) -> None:
+    """streamkit's errors say what and where (a full disk, a fence): a traceback before the
+    one-line error was noise; the app's own exceptions keep theirs, to find the line."""
+    from streamkit.backfill import task
+
+    async def failing(*args: Any, **kwargs: Any) -> Any:
+        raise error
+
+    monkeypatch.setattr(task, "run_shard", failing)
+    plan = SimpleNamespace(shards=[SimpleNamespace(shard_id="shard-000")], app_dir=str(tmp_path))
+    with pytest.raises(BackfillError, match=f"shard shard-000: {type(error).__name__}"):
+        task.run_shard_task(plan, 0)  # type: ignore[arg-type]
+    traced = [r for r in caplog.records if r.exc_info]
+    assert bool(traced) == isinstance(error, ValueError), caplog.text

@@ -64,6 +64,7 @@ from streamkit.backfill.handover import hand_over
 from streamkit.backfill.plan import BackfillPlan, ShardPlan
 from streamkit.backfill.source import JournalReader, merge_by_time
 from streamkit.client import BrokerClient
+from streamkit.errors import StreamkitError
 from streamkit.keyspace import open_keyspace
 from streamkit.message.message import Envelope
 from streamkit.message.publisher import Publisher
@@ -471,7 +472,9 @@ def run_shard_task(plan: BackfillPlan, index: int, app_dir: str | None = None) -
     except BackfillError as error:
         raise BackfillError(f"shard {shard_id}: {error}") from None
     except Exception as error:
-        log.exception("shard %s: backfill failed", shard_id)
+        # A traceback for the app's own code (or a bug); streamkit's errors say what and where.
+        if not isinstance(error, StreamkitError):
+            log.exception("shard %s: backfill failed", shard_id)
         raise BackfillError(f"shard {shard_id}: {type(error).__name__}: {error}") from None
     return asdict(result)
 
