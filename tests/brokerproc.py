@@ -50,6 +50,7 @@ class BrokerProcess:
     port: int = field(default_factory=free_port)
     extra_args: list[str] = field(default_factory=list)
     fsize_limit: int | None = None  # RLIMIT_FSIZE of the broker (`ulimit -f`), in bytes
+    open_files: int | None = None  # its soft RLIMIT_NOFILE (`ulimit -Sn`) as started
     env: dict[str, str] = field(default_factory=dict)  # more environment (AUTH_KEYS, say)
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
@@ -75,15 +76,21 @@ class BrokerProcess:
                "--data-dir", str(self.data_dir), "--port", str(self.port), *self.extra_args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     preexec_fn=self._limits if self.fsize_limit else None)
+                                     preexec_fn=self._limits
+                                     if self.fsize_limit or self.open_files else None)
         log.close()
         wait_for_port(self.port, proc=self.proc)
         wait_for_port(self.port + 1, proc=self.proc)
         return self
 
     def _limits(self) -> None:
-        """In the child: no file it writes may grow past `fsize_limit` (a disk filling up)."""
-        resource.setrlimit(resource.RLIMIT_FSIZE, (self.fsize_limit, self.fsize_limit))
+        """In the child: no file it writes may grow past `fsize_limit` (a disk filling up);
+        a soft limit of `open_files` (the hard one kept)."""
+        if self.fsize_limit:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.fsize_limit, self.fsize_limit))
+        if self.open_files:
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.open_files, hard))
 
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path and self.log_path.exists() else ""

@@ -377,3 +377,19 @@ def test_a_bad_size_is_one_line(tmp_path: Path) -> None:
                           timeout=60)
     assert done.returncode == 2
     assert "'lots' is not a size" in done.stderr and "--max-body-size" in done.stderr
+
+
+def test_hundreds_of_journals_under_a_low_soft_open_file_limit(tmp_path: Path) -> None:
+    """Two open files per journal served: a broker started under a soft limit of 256 (the
+    hard limit higher, as usual) raises it, as Go's brokers do, and serves 200 journals.
+    It refused a hundred of them, "Too many open files"."""
+    broker = BrokerProcess(tmp_path / "broker", open_files=256).start()
+    try:
+        journals = wire.stub(broker.address)
+        names = [f"many/p{i:04d}" for i in range(200)]
+        wire.create(journals, *(wire.spec(name) for name in names))
+        for name in names:
+            assert wire.append(journals, name, b"x\n").commit.end == 2, name
+        assert "Too many open files" not in broker.log(), broker.log()[-2000:]
+    finally:
+        broker.kill()

@@ -40,6 +40,7 @@ from streamkit.broker.replica import Replica
 from streamkit.broker.service import APPEND_CHUNK_TIMEOUT, Identity, JournalService
 from streamkit.errors import StreamkitError
 from streamkit.keyspace import KeySpaceError, open_keyspace
+from streamkit.process_limits import raise_open_file_limit
 from streamkit.process_lock import ProcessLock
 from streamkit.protocol import pb_grpc
 from streamkit.sockets import listen
@@ -299,4 +300,5 @@ class StartupFailed(StreamkitError):
 def serve(config: BrokerConfig) -> None:
     """Run a broker in this process until it is signalled to stop."""
     keep_freed_memory()
+    raise_open_file_limit()  # two files per journal served
     asyncio.run(Broker(config).run())

@@ -54,6 +54,7 @@ from streamkit.cli.errors import DATA_ERROR, CliError, async_command, warn
 from streamkit.cli.logs import configure_logging
 from streamkit.cli.security_options import security_env, security_options
 from streamkit.client.environment import BROKER_ENV
+from streamkit.process_limits import raise_open_file_limit
 from streamkit.process_lock import Held, Holder, ProcessLock
 from streamkit.tasks import cancel_and_wait
 
@@ -397,6 +398,7 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
     trust it).
     """
     hold_collections()  # until the member starts (`_member`)
+    raise_open_file_limit()  # a store's files per shard
     configure_logging(log_level)
     if not is_app_folder(app_dir):
         app_config(app_dir, shards, standbys, store)  # raises, saying what is missing
@@ -549,6 +551,7 @@ async def serve(app_dir: Path, broker: str, keyspace: str | None, shards: int | 
     certificates required), unless --insecure.
     """
     hold_collections()  # until the member starts (`_member`)
+    raise_open_file_limit()  # a store's files per shard
     from streamkit.app.layout import check_layout
     from streamkit.client import BrokerClient
     from streamkit.keyspace import open_keyspace
