@@ -393,6 +393,13 @@ def test_user_errors_are_one_clean_line(shared_broker: BrokerProcess, tmp_path: 
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(("address", "said"), [("ftp://x:1", "scheme must be https://"),
+                                               ("nonsense::", "address 'nonsense::'")])
+def test_a_malformed_broker_address_is_bad_input(address: str, said: str) -> None:
+    err = fails(address, "list", code=2)  # it exited 1
+    assert said in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_unreachable_broker(tmp_path: Path) -> None:
     address = f"127.0.0.1:{free_port()}"
     for args in (["list"], ["read", "cli-x/j", "--block"], ["append", "cli-x/j"]):

@@ -169,6 +169,8 @@ async def test_service_retries_across_broker_restart(
             what="a failed dispatch to be retried",
         )
         assert not futures[-1].done()
+        first = next(r for r in caplog.records if "retrying append to" in r.getMessage())
+        assert first.levelno == logging.WARNING  # shown by the command line, as appends wait
         await asyncio.to_thread(broker_proc.start)
         await asyncio.wait_for(service.flush(), DEADLINE)
         assert (await futures[-1]).commit.end == 5 * len(records)

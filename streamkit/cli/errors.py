@@ -100,6 +100,7 @@ def explain(exc: BaseException) -> tuple[list[str], int]:
     # before importing them).
     import grpc
 
+    from streamkit.auth.tls import AddressError
     from streamkit.broker.stores import FragmentStoreError
     from streamkit.client.errors import BrokerError, JournalNotFound, TransportError
     from streamkit.keyspace.keyspace import KeySpaceURLError
@@ -110,7 +111,7 @@ def explain(exc: BaseException) -> tuple[list[str], int]:
         return [_one_line(str(problem)) for problem in exc.problems], DATA_ERROR
     if isinstance(exc, SelectorError):
         return [f"bad label selector: {_one_line(str(exc))}"], DATA_ERROR
-    if isinstance(exc, KeySpaceURLError):
+    if isinstance(exc, KeySpaceURLError | AddressError):  # a malformed URL or address
         return [_one_line(str(exc))], DATA_ERROR
     if isinstance(exc, JournalNotFound):
         return [f"journal not found ({exc.detail or exc.name})"], FAILURE

@@ -232,8 +232,11 @@ async def append_with_retries(
             if not is_transient(exc):
                 raise
             client.forget_route(journal)
-            log.log(logging.INFO if backoff.worth_saying() else logging.DEBUG,
-                    "retrying append to %s: %s", journal, describe(exc))
+            # The first retry is a warning (a command line shows those: an append waiting
+            # on a broker that went away looked hung); later ones ever more rarely.
+            level = (logging.WARNING if backoff.attempt == 0 else
+                     logging.INFO if backoff.worth_saying() else logging.DEBUG)
+            log.log(level, "retrying append to %s: %s", journal, describe(exc))
             await backoff.sleep()
 
 
