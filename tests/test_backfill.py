@@ -772,7 +772,7 @@ async def test_cli_plan_and_clear_errors(broker_proc: BrokerProcess, tmp_path: P
                 if j["journal"] == "wordcount/lines/part-003"]
     assert (part3["begin"], part3["end"]) == (0, 100)
     bad_end = await asyncio.to_thread(_cli, str(app), "--plan", *where, "--end", "oops")
-    assert bad_end.returncode == 1 and "expected JOURNAL=OFFSET" in bad_end.stderr
+    assert bad_end.returncode == 2 and "expected JOURNAL=OFFSET" in bad_end.stderr
 
     missing = await asyncio.to_thread(_cli, str(tmp_path / "nowhere"), "--spark")
     assert missing.returncode == 2 and "streamkit.yaml: no such file" in missing.stderr

@@ -302,6 +302,7 @@ class Replica:
             return
         log.warning("shard %s: fenced by another author of its recovery log (%s); "
                     "recovering again once the log is quiet", self.id, error)
+        self._set_status(Code.BACKFILL)  # recovering: no longer the primary it was
         await self._log_quiet()
         if self._stopping.is_set():
             self._set_status(Code.IDLE)
