@@ -143,10 +143,21 @@ class _Unsettled:
             held = self.lines[future] = []
         held.append((number, line))
 
-    async def failed(self) -> list[tuple[int, bytes]]:
-        """Once every append settled, the lines of those that failed, in input order."""
+    async def _wait(self) -> None:
         for future in self.lines:
             await future.wait()
+
+    async def settle(self) -> None:
+        """Wait for every append; raise _AppendFailed (from the first failure) if one
+        failed."""
+        await self._wait()
+        failure = next((f.exception() for f in self.lines if not f.succeeded()), None)
+        if failure is not None:
+            raise _AppendFailed from failure
+
+    async def failed(self) -> list[tuple[int, bytes]]:
+        """Once every append settled, the lines of those that failed, in input order."""
+        await self._wait()
         return sorted(item for future, held in self.lines.items() if not future.succeeded()
                       for item in held)
 
@@ -183,7 +194,9 @@ async def publish_lines(publisher: Publisher, mapping: MappingFunc, source: IO[b
                 try:
                     future = await publisher.publish_committed(recording, _parse(line))
                 except ValueError as err:
-                    await _settled(unsettled)
+                    # An append that failed before this line is the one reported (its
+                    # account says what to publish again); otherwise this line is.
+                    await unsettled.settle()
                     raise CliError(
                         f"input line {number}: {err} (stopped there; the "
                         f"{plural(tally.total(), 'message')} before it were published)",
@@ -194,18 +207,10 @@ async def publish_lines(publisher: Publisher, mapping: MappingFunc, source: IO[b
                 if future.done() and future.exception() is not None:
                     rest = lines[index + 1:]  # a journal's appends failed: later ones would too
                     raise _AppendFailed from future.exception()
-        await _settled(unsettled)
+        await unsettled.settle()
     except _AppendFailed as failure:
         await _report_failure(failure.__cause__, unsettled, tally, number, rest, batches,
                               unpublished)
-
-
-async def _settled(unsettled: _Unsettled) -> None:
-    """Wait for every append; raise _AppendFailed if one failed."""
-    for future in unsettled.lines:
-        await future.wait()
-        if future.exception() is not None:
-            raise _AppendFailed from future.exception()
 
 
 async def _report_failure(cause: BaseException | None, unsettled: _Unsettled,
