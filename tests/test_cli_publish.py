@@ -13,6 +13,7 @@ import pytest
 
 from streamkit.message.mapping import fnv1a32
 from streamkit.message.uuid import UUID, Flags, parse_uuid
+from streamkit.protocol import pb
 from tests import wire
 from tests.brokerproc import BrokerProcess, free_port
 
@@ -144,6 +145,24 @@ def test_a_failed_append_accounts_exactly_for_what_committed(tmp_path: Path,
         assert sorted(m["n"] for lines in landed.values() for m in lines) == list(range(20000))
     finally:
         broker.kill()
+
+
+def test_a_bad_line_after_a_failed_append_is_left_to_publish_again(
+        shared_broker: BrokerProcess, tmp_path: Path) -> None:
+    """Appends to a read-only journal fail while later lines are read; a bad line among
+    them reports the failed append, and --unpublished holds every line not committed: the
+    bad one and those after it in its batch too (they were dropped)."""
+    topic = f"clip-{uuid.uuid4().hex[:10]}"
+    labels = {"content-type": "application/x-ndjson", "topic": topic}
+    wire.create(wire.stub(shared_broker.address),
+                wire.spec(f"{topic}/ro", labels=labels, flags=pb.JournalSpec.O_RDONLY))
+    text = b'{"n": 1}\n{"n": 2}\nnot json\n{"n": 4}\n'
+    rest = tmp_path / "rest.jsonl"
+    err = failure(shared_broker.address, "-l", f"topic={topic}", "--unpublished", str(rest),
+                  input=text, code=1)
+    assert "NOT_ALLOWED" in err and "0 of the 2 messages read were committed" in err, err
+    assert "the input after line 2" in err, err
+    assert rest.read_bytes() == text
 
 
 @pytest.mark.parametrize(("text", "args", "code", "message"), [

@@ -194,11 +194,12 @@ async def publish_lines(publisher: Publisher, mapping: MappingFunc, source: IO[b
                 try:
                     future = await publisher.publish_committed(recording, _parse(line))
                 except ValueError as err:
-                    # An append that failed before this line is the one reported (its
-                    # account says what to publish again); otherwise this line is.
+                    # An append that failed before this line is the one reported, and this
+                    # line is among those to publish again; otherwise this line is.
+                    rest, number = lines[index:], number - 1
                     await unsettled.settle()
                     raise CliError(
-                        f"input line {number}: {err} (stopped there; the "
+                        f"input line {number + 1}: {err} (stopped there; the "
                         f"{plural(tally.total(), 'message')} before it were published)",
                         DATA_ERROR,
                     ) from None
