@@ -195,6 +195,18 @@ def test_append_raw_and_read_back(shared_broker: BrokerProcess, tmp_path: Path) 
     assert everything == first + b"second"
     assert run(shared_broker, "read", journal, "--offset", "700").stdout == b"second"
     assert run(shared_broker, "read", journal, "--tail").stdout == b""
+    assert run(shared_broker, "read", journal, "--offset", "706").returncode == 0
+
+    # An offset past the head reads nothing: said (it exited 0 as if nothing were new, and
+    # --offsets-out saved the offset); the offsets saved are those given.
+    out, given = tmp_path / "offsets.json", tmp_path / "given.json"
+    given.write_text(json.dumps({journal: 9000}))
+    for how in (["--offset", "9000"], ["--offsets", str(given)]):
+        err = fails(shared_broker, "read", journal, *how, "--offsets-out", str(out), code=2)
+        assert f"{journal}: offset 9,000 is past its write head 706" in err
+        assert json.loads(out.read_text()) == {journal: 9000}
+    err = fails(shared_broker, "read", f"{p}logs/a", "--offset", "9", "--messages", code=2)
+    assert f"{p}logs/a: offset 9 is past its write head 0" in err
 
     # Raw appends need exactly one journal.
     err = fails(shared_broker, "append", "-l", f"prefix={p}", input="x", code=2)

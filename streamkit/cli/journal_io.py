@@ -356,12 +356,25 @@ async def read_journals(
             copies.append(_MessageCopy(client, spec, offset, block=block, committed=committed))
         else:
             copies.append(_JournalCopy(client, spec, offset, block=block))
+    beyond: list[str] = []
     try:
-        if block:
+        if block:  # a start past the head waits for it: a read of what's still to come
             await asyncio.gather(*(copy.run() for copy in copies))
         else:
             for copy in copies:
+                start = copy.offset
                 await copy.run()
+                if copy.offset == start > 0:
+                    head = await read_write_head(client, copy.journal)
+                    if start > head:
+                        beyond.append(f"{copy.journal}: offset {start:,} is past its write "
+                                      f"head {head:,}")
     finally:
         if offsets_out is not None:
             _save_offsets(offsets_out, copies)
+    if beyond:
+        # Read nothing and said nothing, a mistyped offset (or an offsets file of journals
+        # since recreated) looked like a journal with nothing new; resuming there would
+        # skip whatever is appended up to it.
+        raise CliError(f"{'; '.join(beyond)}: nothing there to read yet (--tail starts at "
+                       "the write head; --block waits for the offset)", DATA_ERROR)
