@@ -364,6 +364,14 @@ fragment: {{length: 1024, compression_codec: GZIP, refresh_interval: 1s, retenti
     assert f"would delete {journal} [0, 1500)" in out and "[1500, 3000)" not in out
     assert all(f.exists() for f in files)
 
+    # Another directory finds none of them: an error (it said "deleted 0 fragments").
+    wrong = tmp_path / "not-the-root"
+    for dry in ([], ["--dry-run"]):
+        err = fails(shared_broker, "prune", "-l", selector, *dry, "--file-root", str(wrong),
+                    code=1)
+        assert "1 fragment listed by the broker was not found" in err, err
+        assert f"is --file-root {wrong} the broker's?" in err, err
+
     out = ok(shared_broker, "prune", "-l", selector, "--file-root", str(root))
     assert f"deleted {journal} [0, 1500)" in out and "deleted 1 fragment" in out
     assert not files[0].exists() and files[1].exists()

@@ -121,6 +121,8 @@ async def test_shards_prune_cli_then_the_app_recovers_exactly(
                 await eventually(lambda: _persisted_some(client, log), what="persisted fragments")
             args = ["shards", "prune", "--app", str(app), "--broker", address,
                     "--file-root", str(broker_proc.data_dir / "fragments")]
+            wrong = cli(*args[:-1], str(tmp_path / "not-the-root"))
+            assert wrong.returncode == 1 and "is --file-root" in wrong.stderr, wrong.stderr
             dry = cli(*args, "--dry-run")
             assert dry.returncode == 0, dry.stderr
             done = cli(*args)

@@ -20,13 +20,13 @@ from typing import Any
 import click
 
 from streamkit.broker.stores import open_store
-from streamkit.cli.errors import warn
+from streamkit.cli.errors import CliError, warn
 from streamkit.cli.output import echo_json, echo_table, format_mod_time, format_size, plural
 from streamkit.client import BrokerClient, list_fragments
 from streamkit.protocol import pb
 from streamkit.protocol.fragments import content_name, digest_of, fragment_url
 
-__all__ = ["FragmentRow", "fragment_rows", "print_fragments", "prune_journals", "remove_fragment"]
+__all__ = ["FragmentRow", "Removal", "fragment_rows", "print_fragments", "prune_journals"]
 
 
 @dataclass(frozen=True)
@@ -103,18 +103,43 @@ def expired(fragments: list[pb.Fragment], retention: timedelta, now: float) -> l
     return [f for f in persisted if f.end < last_end and f.mod_time < cutoff]
 
 
-async def remove_fragment(fragment: pb.Fragment, file_root: Path, *, dry_run: bool) -> bool:
-    """Delete one fragment from its store; False if it isn't there."""
-    store = open_store(fragment.backing_store, file_root)
-    if not await store.exists(fragment):
-        warn(
-            f"{fragment_url(fragment.backing_store, fragment)} is already gone "
-            f"(or --file-root {file_root} is not the broker's)"
-        )
-        return False
-    if not dry_run:
-        await store.remove(fragment)
-    return True
+class Removal:
+    """Deletes fragments from their stores (or, dry, only finds them), tallying what it
+    deleted and what it did not find: a few already gone are said; none found at all is
+    a wrong --file-root, an error (it passed as "deleted 0 fragments")."""
+
+    def __init__(self, file_root: Path, *, dry_run: bool) -> None:
+        self.file_root = file_root
+        self.dry_run = dry_run
+        self.verb = "would delete" if dry_run else "deleted"
+        self.count = self.size = 0
+        self.missing: list[str] = []
+
+    async def remove(self, fragment: pb.Fragment) -> bool:
+        """Delete one fragment; False if it isn't there."""
+        store = open_store(fragment.backing_store, self.file_root)
+        if not await store.exists(fragment):
+            self.missing.append(fragment_url(fragment.backing_store, fragment))
+            return False
+        if not self.dry_run:
+            await store.remove(fragment)
+        self.count += 1
+        self.size += fragment.end - fragment.begin
+        return True
+
+    def check(self) -> None:
+        """Say which fragments were not found; raise CliError if none was."""
+        if not self.missing:
+            return
+        what = (f"{plural(len(self.missing), 'fragment')} listed by the broker "
+                f"{'was' if len(self.missing) == 1 else 'were'} not found, e.g. "
+                f"{self.missing[0]}")
+        if any(url.startswith("file://") for url in self.missing):
+            what += f" (is --file-root {self.file_root} the broker's?)"
+        self.missing.clear()
+        if not self.count:
+            raise CliError(what)
+        warn(f"{what}; already gone?")
 
 
 async def prune_journals(
@@ -125,22 +150,20 @@ async def prune_journals(
     dry_run: bool,
 ) -> None:
     """Delete (or list, with `dry_run`) the expired fragments of `journals`."""
-    verb = "would delete" if dry_run else "deleted"
+    removal = Removal(file_root, dry_run=dry_run)
     now = time.time()
-    count = size = 0
     for spec in journals:
         retention = spec.fragment.retention.ToTimedelta()
         listed = await list_fragments(client, spec.name)
         for fragment in expired([item.spec for item in listed.fragments], retention, now):
-            if await remove_fragment(fragment, file_root, dry_run=dry_run):
-                count += 1
-                size += fragment.end - fragment.begin
+            if await removal.remove(fragment):
                 click.echo(
-                    f"{verb} {spec.name} [{fragment.begin}, {fragment.end}) "
+                    f"{removal.verb} {spec.name} [{fragment.begin}, {fragment.end}) "
                     f"{fragment.backing_store} {content_name(fragment)} "
                     f"(modified {format_mod_time(fragment.mod_time)})"
                 )
     click.echo(
-        f"{verb} {plural(count, 'fragment')} ({plural(size, 'byte')} of journal content) "
-        f"of {plural(len(journals), 'journal')}"
+        f"{removal.verb} {plural(removal.count, 'fragment')} ({plural(removal.size, 'byte')} "
+        f"of journal content) of {plural(len(journals), 'journal')}"
     )
+    removal.check()

@@ -17,7 +17,7 @@ import click
 from streamkit.app.shard_ops import get_hints, list_shards
 from streamkit.auth.settings import Security
 from streamkit.cli.errors import CliError, async_command, warn
-from streamkit.cli.journal_fragments import remove_fragment
+from streamkit.cli.journal_fragments import Removal
 from streamkit.cli.journals import DEFAULT_FILE_ROOT, broker_option
 from streamkit.cli.output import plural
 from streamkit.cli.security_options import security_options
@@ -73,17 +73,17 @@ async def prune_cmd(selector: str, dry_run: bool, every: float | None, file_root
         async with opened(app_dir, keyspace_url, root) as (keyspace, app_root), \
                 BrokerClient(broker, security) as client:
             listed = (await list_shards(keyspace, app_root, parsed)).shards
-            count = size = 0
+            removal = Removal(file_root, dry_run=dry_run)
             for shard in listed:
                 for fragment in await _prunable(client, keyspace, app_root, shard.spec):
-                    if await remove_fragment(fragment, file_root, dry_run=dry_run):
-                        count += 1
-                        size += fragment.end - fragment.begin
-                        click.echo(f"{'would delete' if dry_run else 'deleted'} "
-                                   f"{fragment.journal} [{fragment.begin}, {fragment.end}) "
+                    if await removal.remove(fragment):
+                        click.echo(f"{removal.verb} {fragment.journal} "
+                                   f"[{fragment.begin}, {fragment.end}) "
                                    f"{fragment.backing_store} {content_name(fragment)}")
-        click.echo(f"{'would delete' if dry_run else 'deleted'} {plural(count, 'fragment')} "
-                   f"({plural(size, 'byte')} of recovery log) of {plural(len(listed), 'shard')}")
+        click.echo(f"{removal.verb} {plural(removal.count, 'fragment')} "
+                   f"({plural(removal.size, 'byte')} of recovery log) of "
+                   f"{plural(len(listed), 'shard')}")
+        removal.check()
         if every is None:
             return
         await asyncio.sleep(every)
