@@ -125,6 +125,7 @@ BAD_SPECS = {
     "escape": ("ok/escape", "is not a clean relative path"),
     "dot": ("ok/dot", "is not a clean relative path"),
     "query": ("ok/query", "unknown query argument 'x'"),
+    "replication": ("ok/replicated", "replication: 3, but this broker is single-node"),
 }
 STORES = {"gs": "gs://bucket/", "azure": "azure://account/container/",
           "escape": "file:///../../x/", "dot": "file:///./x/", "query": "file:///a/b/?x=1"}
@@ -135,10 +136,12 @@ def test_apply_refuses_specs_the_broker_could_not_open(shared_broker: BrokerProc
                                                        case: str) -> None:
     name, message = BAD_SPECS[case]
     spec = wire.spec(name, stores=[STORES.get(case, "file:///")])
+    spec.replication = 3 if case == "replication" else 1
     with pytest.raises(grpc.RpcError) as refused:
         wire.create(wire.stub(shared_broker.address), spec)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    field = "name" if case in ("name", "utf-8 name") else "fragment.stores[0]"
+    field = {"name": "name", "utf-8 name": "name", "replication": "replication"}.get(
+        case, "fragment.stores[0]")
     assert f"changes[0].upsert.{field}: " in refused.value.details()
     assert message in refused.value.details(), refused.value.details()
 

@@ -160,14 +160,21 @@ class JournalRegistry:
         """Raise ValueError naming the field if this broker could not serve an upsert.
 
         Beyond the protocol's rules: each name segment becomes a folder (at most
-        NAME_MAX bytes), and every store must open here. Checked at Apply, so a
-        spec that would fail when its journal is opened is never stored.
+        NAME_MAX bytes), every store must open here, and replication is 1 (this
+        broker keeps one copy; acknowledging appends to a spec asking for more would
+        claim a durability it hasn't). Checked at Apply, so a spec that would fail
+        when its journal is opened is never stored.
         """
         for index, change in enumerate(changes):
             if not change.HasField("upsert"):
                 continue
             spec = change.upsert
             where = f"changes[{index}].upsert"
+            if spec.replication > 1:
+                raise ValueError(
+                    f"{where}.replication: {spec.replication}, but this broker is single-node "
+                    "and keeps one copy of a journal: use replication 1 (Gazette's brokers "
+                    "replicate)")
             for segment in spec.name.split("/"):
                 size = len(segment.encode())
                 if size > NAME_MAX:
