@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
+import shutil
 import tempfile
 import urllib.request
 import uuid
 from pathlib import Path
 
 import boto3
+import grpc
 import pytest
 
 from streamkit.broker.stores import FragmentStore, open_store
@@ -198,5 +200,84 @@ def test_a_failing_store_does_not_hold_up_other_journals(
         assert len(_lines(broker, "INFO", f"persisting journal {bad} works again")) == 1
         content, _ = wire.read(journals, bad, offset=0, end=6000)
         assert content == b"b" * 6000
+    finally:
+        broker.kill()
+
+
+# --- a store that can't be listed at start-up -------------------------------------
+
+
+def _unlistable(folder: Path) -> Path:
+    """Make the store's folder of a journal unlistable (a file in its place); returns where
+    its fragments went, for `_listable`."""
+    away = folder.with_name(folder.name + ".away")
+    folder.rename(away)
+    folder.write_text("not a folder: listing this store fails")
+    return away
+
+
+def _listable(folder: Path, away: Path) -> None:
+    folder.unlink()
+    away.rename(folder)
+
+
+def _read_or_code(journals, journal: str) -> bytes | grpc.StatusCode:
+    try:
+        return wire.read(journals, journal, offset=0)[0]
+    except grpc.RpcError as error:
+        return error.code()
+
+
+def test_a_restart_while_the_store_cant_be_listed_skips_and_overwrites_nothing(
+        tmp_path: Path) -> None:
+    """The store can't be listed as the broker restarts (unreachable, say). A read below the
+    local spools is UNAVAILABLE naming the store: it jumped over the persisted content as
+    if deleted, and a shard reading there skipped acknowledged messages for good. A
+    journal with no spools left (a lost data dir) refuses appends rather than write at 0
+    over its history. Once the store lists again, both go on exactly."""
+    broker = BrokerProcess(tmp_path / "broker").start()
+    journal = "unlisted/j"
+    folder = broker.data_dir / "fragments" / "unlisted" / "j"
+    try:
+        journals = wire.stub(broker.address)
+        wire.create(journals, wire.spec(journal, length=1024, codec=pb.NONE))
+        for n in range(3):
+            assert wire.append(journals, journal, bytes([65 + n]) * 1500).status == pb.OK
+        wire.wait_until(lambda: sum(bool(f.backing_store)
+                                    for f in wire.fragments(journals, journal)) == 3)
+        broker.kill()
+        away = _unlistable(folder)
+        broker.start()
+        journals = wire.stub(broker.address)
+        with pytest.raises(grpc.RpcError) as refused:
+            wire.read(journals, journal, offset=0)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "offsets below 4,500 are in its fragment stores, which could not be listed" \
+            in refused.value.details() and "file:///" in refused.value.details()
+        assert wire.append(journals, journal, b"more").commit.begin == 4500  # the head is known
+        _listable(folder, away)
+        wire.wait_until(lambda: _read_or_code(journals, journal) == b"A" * 1500 + b"B" * 1500
+                        + b"C" * 1500 + b"more", timeout=20)
+
+        # The data dir is lost (the unpersisted "more" with it) and the store unlistable.
+        broker.kill()
+        shutil.rmtree(broker.data_dir / "journals")
+        away = _unlistable(folder)
+        broker.start()
+        journals = wire.stub(broker.address)
+        with pytest.raises(grpc.RpcError) as refused:
+            wire.append(journals, journal, b"after")
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "its content and write head are in its fragment stores" in \
+            refused.value.details()
+        _listable(folder, away)
+
+        def appended() -> pb.AppendResponse | None:
+            try:
+                return wire.append(journals, journal, b"after")
+            except grpc.RpcError:
+                return None
+
+        assert wire.wait_until(appended, timeout=20).commit.begin == 4500  # not 0
     finally:
         broker.kill()

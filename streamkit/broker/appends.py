@@ -37,6 +37,9 @@ def refusal(replica: Replica | None) -> int | None:
         return pb.NOT_ALLOWED
     if replica.unavailable is not None:
         raise replica.unavailable
+    unknown = replica.unknown_below(replica.write_head)
+    if unknown is not None:
+        raise unknown
     return None
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "JournalUnavailable",
     "StorageExhausted",
     "StorageFailed",
+    "StoresUnlisted",
     "storage_fault",
 ]
 
@@ -52,6 +53,12 @@ class JournalUnavailable(JournalFault):
     """The journal's spec can't be served here (an unopenable store, a damaged spool)."""
 
     grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class StoresUnlisted(JournalFault):
+    """The journal's stores have not been listed since the broker started: what they hold
+    (below the local spools, or at all) is unknown, so a read there or the write head
+    would be guessed. UNAVAILABLE: clients retry, and it passes once a listing works."""
 
 
 class ContentLost(JournalFault):

@@ -80,6 +80,7 @@ class JournalRegistry:
         self.prefix = f"{root}/items/"
         self.entries: dict[str, Entry] = {}
         self.revision = 0
+        self._start_revision = 0  # journals created after it are new: nothing to recover
         self._replicas: dict[str, Replica] = {}
         self._opening: dict[str, asyncio.Task[Replica]] = {}
         self._on_roll = on_roll
@@ -93,6 +94,7 @@ class JournalRegistry:
     async def start(self) -> None:
         """Load every spec and recover its replica, then follow changes."""
         kvs, self.revision = await self.keyspace.range(self.prefix)
+        self._start_revision = self.revision
         for kv in kvs:
             self._set(kv.key, kv.value, kv.create_revision, kv.mod_revision)
         for name in list(self.entries):
@@ -132,7 +134,8 @@ class JournalRegistry:
             raise failed[2]
         task = self._opening.get(name)
         if task is None:
-            task = asyncio.create_task(self._open(entry.spec))
+            task = asyncio.create_task(self._open(
+                entry.spec, created_since_start=entry.create_revision > self._start_revision))
             self._opening[name] = task
         try:
             return await asyncio.shield(task)
@@ -146,10 +149,11 @@ class JournalRegistry:
         finally:
             self._opening.pop(name, None)
 
-    async def _open(self, spec: pb.JournalSpec) -> Replica:
+    async def _open(self, spec: pb.JournalSpec, *, created_since_start: bool) -> Replica:
         stores = self.stores_of(spec)
         directory = spool_directory(self.data_dir, spec.name)
-        replica = await Replica.open(spec, directory, stores, self._on_roll)
+        replica = await Replica.open(spec, directory, stores, self._on_roll,
+                                     new=created_since_start)
         self._replicas[spec.name] = replica
         return replica
 

@@ -52,6 +52,9 @@ class ReadStream:
         replica, request = self.replica, self.request
         while not self._done():
             changed = replica.changed()
+            unknown = replica.unknown_below(self.offset)
+            if unknown is not None:
+                raise unknown
             lookup = replica.index.query(self.offset)
             if lookup is None or lookup.offset >= lookup.fragment.end:
                 if not request.block:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from streamkit.broker.faults import JournalFault
+from streamkit.broker.faults import JournalFault, StoresUnlisted
 from streamkit.broker.index import FragmentIndex
 from streamkit.broker.spool import Spool
 from streamkit.broker.stores import FragmentStore
@@ -52,6 +53,11 @@ class Replica:
         # predate them, so they are kept when it lands.
         self._persisted_meanwhile: list[pb.Fragment] | None = None
         self._listing_failed = False
+        self._listing_error = ""
+        # Until the stores are first listed, the lowest offset whose content this broker
+        # knows (its oldest local spool); None once listed. Without spools it knows
+        # nothing, not even the write head: the stores may hold the journal's history.
+        self.known_from: int | None = 0
 
     # --- lifecycle -------------------------------------------------------
 
@@ -62,24 +68,51 @@ class Replica:
         directory: Path,
         stores: list[FragmentStore],
         on_roll: Callable[[Replica, Spool], None],
+        *,
+        new: bool = False,
     ) -> Replica:
-        """Recover spools from `directory`, list the stores, and pick the write head."""
+        """Recover spools from `directory`, list the stores, and pick the write head.
+
+        A `new` journal (created while this broker runs) without spools starts at 0
+        even if its stores can't be listed yet; any other journal without spools
+        waits for a listing before it takes appends (its data dir may be lost)."""
         replica = cls(spec, directory, stores)
         replica._on_roll = on_roll
         rolled = await asyncio.to_thread(replica._recover_spools)
+        if new and replica.known_from == sys.maxsize:
+            replica.known_from = 0
         await replica.refresh()
-        if replica.spool.length == 0 and replica.index.end > replica.spool.end:
-            # The stores hold more than we do (say, a lost data dir): start at their end.
-            replica.local.pop(replica.spool.begin)
-            replica.index.remove_local(replica.spool.begin)
-            replica.spool.remove_files()
-            replica._start_spool(replica.index.end)
-        elif replica.index.end > replica.spool.end:
-            rolled.append(replica.spool)
-            replica._start_spool(replica.index.end)
         for spool in rolled:
             on_roll(replica, spool)
         return replica
+
+    def _catch_up_with_stores(self) -> None:
+        """Move the write head to the stores' end if they hold more than the spools: a lost
+        data dir (or a journal's history from elsewhere) must not be written over."""
+        if self.index.end <= self.spool.end:
+            return
+        if self.spool.length == 0:
+            self.local.pop(self.spool.begin)
+            self.index.remove_local(self.spool.begin)
+            self.spool.remove_files()
+            self._start_spool(self.index.end)
+        else:
+            old = self.spool
+            old.seal()
+            self._start_spool(self.index.end)
+            self._on_roll(self, old)
+
+    def unknown_below(self, offset: int) -> JournalFault | None:
+        """Why content at `offset` can't be served (or appended at) yet: it is below what
+        this broker knows while its stores have not been listed. (A read there jumped
+        over persisted content as if deleted; an append guessed the write head.)"""
+        if self.known_from is None or offset >= self.known_from:
+            return None
+        what = (f"offsets below {self.known_from:,} are" if self.known_from < sys.maxsize
+                else "its content and write head are")
+        return StoresUnlisted(self.name, f"{what} in its fragment stores, which could not be "
+                              f"listed since the broker started ({self._listing_error}); "
+                              "retry once the store is reachable")
 
     def _recover_spools(self) -> list[Spool]:
         """Reopen every spool file; all but the newest were rolled and await persisting."""
@@ -100,8 +133,10 @@ class Replica:
         if spools:
             self.spool = spools[-1]
             self._track_local(self.spool)
+            self.known_from = min(self.local)
         else:
             self._start_spool(0)
+            self.known_from = sys.maxsize
         return rolled
 
     def _track_local(self, spool: Spool) -> None:
@@ -203,6 +238,10 @@ class Replica:
                     self.index.replace_remote(listed + self._persisted_meanwhile)
             finally:
                 self._persisted_meanwhile = None
+            if listed is not None and self.known_from is not None:
+                async with self.append_lock:  # (appends were refused if the head was unknown)
+                    self._catch_up_with_stores()
+                    self.known_from = None
         self.notify()
 
     async def _list_stores(self) -> list[pb.Fragment] | None:
@@ -215,6 +254,7 @@ class Replica:
                 # also holds a/b/c's.
                 listed.extend(await store.list(self.name, template))
             except Exception as err:  # a store outage must not take the journal down
+                self._listing_error = f"{store.url}: {err}"
                 if not self._listing_failed:  # once per outage, not at every refresh
                     log.warning("listing %s for journal %s failed (retried at each refresh): "
                                 "%s", store.url, self.name, err)
