@@ -35,14 +35,21 @@ async def _announce(keyspace: KeySpace, member: MemberId, port: int) -> int:
     return lease
 
 
-async def test_refused_port_revokes_the_lease_a_paused_one_does_not(tmp_path: Path) -> None:
+async def test_refused_port_revokes_the_lease_a_paused_one_does_not(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Also: a port refused from the first dial (a wrong --advertise address, a firewall
+    rejecting) is no death: it revoked a live member again at each announcement."""
     paused = socket.socket()  # listens (the kernel accepts connections) but never reads
     paused.bind(("127.0.0.1", 0))
     paused.listen()
+    dying = socket.socket()  # listens until the watch reached it, then is gone
+    dying.bind(("127.0.0.1", 0))
+    dying.listen()
     async with open_keyspace(str(tmp_path / "keyspace.db")) as keyspace:
         await _announce(keyspace, ME, free_port())  # itself: never watched
         await _announce(keyspace, MemberId("z", "paused"), paused.getsockname()[1])
-        await _announce(keyspace, MemberId("z", "dead-one"), free_port())  # nothing listens there
+        await _announce(keyspace, MemberId("z", "dead-one"), dying.getsockname()[1])
+        await _announce(keyspace, MemberId("z", "misadvertised"), free_port())  # refuses
         state = await read_state(keyspace, ROOT)
         async def wait_changed(revision: int) -> None:
             await asyncio.Event().wait()  # this test's snapshot never changes
@@ -56,16 +63,31 @@ async def test_refused_port_revokes_the_lease_a_paused_one_does_not(tmp_path: Pa
             async def dead_gone() -> bool:
                 return "dead-one" not in await members()
 
+            await eventually(lambda: _accepted(dying), 30, "the watch to reach dead-one")
+            dying.close()
             await eventually(dead_gone, 30, "the dead member's keys to go with its lease")
-            # Not a synchronisation: a window in which a wrong verdict on the paused member
-            # would show (its watch dials it every few milliseconds if it misjudged it).
-            await asyncio.sleep(1.0)
-            assert await members() == {"watcher", "paused"}
+            # Not a synchronisation: a window in which a wrong verdict on the paused or the
+            # misadvertised member would show (their watches dial every ~0.5 s at most).
+            await asyncio.sleep(1.5)
+            assert await members() == {"watcher", "paused", "misadvertised"}
+            warned = [r.message for r in caplog.records if "never took one" in r.message]
+            assert len(warned) == 1 and "misadvertised" in warned[0], warned
         finally:
             await cancel_and_wait(task, "the peer watch")
-            with contextlib.suppress(OSError):
-                paused.close()
+            for sock in (paused, dying):
+                with contextlib.suppress(OSError):
+                    sock.close()
 
+
+async def _accepted(listener: socket.socket) -> bool:
+    """Whether a connection waits in `listener`'s backlog (taken from it)."""
+    listener.setblocking(False)
+    try:
+        conn, _ = listener.accept()
+    except BlockingIOError:
+        return False
+    conn.close()
+    return True
 
 
 async def _dies_right_after_it_was_dialed(tmp_path: Path) -> float:

@@ -11,7 +11,11 @@ allocator moves its shards now.
 
 It is safe. A refused connection means nothing listens on that port: a
 paused or overloaded process still accepts connections, and a peer that is
-merely unreachable (a timeout, a network error) is left to its lease. Even a
+merely unreachable (a timeout, a network error) is left to its lease. A port
+refuses only a peer that was reached there under the lease being watched: an
+endpoint refused from the first dial is a wrong `--advertise` address or a
+firewall rejecting this machine, not a death (revoking it revoked a live
+member again at each of its announcements, several times a second). Even a
 member revoked by mistake cannot double-commit: its recovery log fences its
 writes, and it joins again under a new lease (see `streamkit.app.allocator`).
 Only the lease that was being watched is revoked, never a newer one of the
@@ -83,6 +87,8 @@ class PeerWatch:
         where = parse_address(endpoint)
         loop = asyncio.get_running_loop()
         pause = 0.0  # before dialing again after a connection closed (or reset) at once
+        reached = False  # a refusal proves a death only where the peer once listened
+        warned = False
 
         async def dial_again_soon() -> None:
             # A peer dying just after we dialed: its young connection closes, and its
@@ -100,6 +106,15 @@ class PeerWatch:
                 reader, writer = await asyncio.wait_for(
                     asyncio.open_connection(where.host, where.port), _CONNECT_TIMEOUT)
             except ConnectionRefusedError:
+                if not reached:
+                    if not warned:
+                        warned = True
+                        log.warning("member %s: %s's Shard API at %s refuses connections "
+                                    "and never took one: left to its lease (is its "
+                                    "--advertise address right, and its port open to this "
+                                    "machine?)", self.me, member, endpoint)
+                    await asyncio.sleep(_RETRY)
+                    continue
                 await asyncio.sleep(_CONFIRM)
                 if await refuses(endpoint):
                     await self._revoke(member, lease, endpoint)
@@ -111,6 +126,7 @@ class PeerWatch:
             except (OSError, TimeoutError):
                 await asyncio.sleep(_RETRY)  # unreachable is not dead: the lease decides
                 continue
+            reached = True
             opened = loop.time()
             await _until_closed(reader, writer)
             if loop.time() - opened >= _RETRY:
