@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -34,7 +35,7 @@ import click
 import orjson
 
 from streamkit.auth.settings import Security
-from streamkit.cli.errors import DATA_ERROR, CliError, async_command, explain
+from streamkit.cli.errors import DATA_ERROR, CliError, async_command, explain, warn
 from streamkit.cli.journals import broker_option, opened_input
 from streamkit.cli.output import plural
 from streamkit.cli.security_options import security_options
@@ -89,12 +90,14 @@ def _mapping(kind: str | None, key: str | None, polled: PolledList) -> MappingFu
 async def _line_batches(source: IO[bytes]) -> AsyncIterator[list[bytes]]:
     """The input's lines, a read's worth at a time (reads run in a thread)."""
     read = getattr(source, "read1", source.read)
-    rest = b""
-    while chunk := await asyncio.to_thread(read, _READ_SIZE):
-        lines = (rest + chunk).split(b"\n")
-        rest = lines.pop()
-        yield lines
-    if rest:
+    pieces: list[bytes] = []  # a line's start, joined once its end is read: a long line
+    while chunk := await asyncio.to_thread(read, _READ_SIZE):  # is copied once, not per read
+        pieces.append(chunk)
+        if b"\n" in chunk:
+            lines = b"".join(pieces).split(b"\n")
+            pieces = [lines.pop()]
+            yield lines
+    if rest := b"".join(pieces):
         yield [rest]
 
 
@@ -243,6 +246,12 @@ async def _report_failure(cause: BaseException | None, unsettled: _Unsettled,
     raise CliError(f"{what}; {account}{hint}")
 
 
+def _keep_all(source: IO[bytes], unpublished: IO[bytes]) -> None:
+    """Nothing was published: the whole input is what is left to publish."""
+    shutil.copyfileobj(source, unpublished)
+    warn(f"nothing was published; the input is in {unpublished.name}")
+
+
 @contextlib.contextmanager
 def _opened_output(path: Path | None) -> Iterator[IO[bytes] | None]:
     """`path` opened for writing now (a bad one is said before publishing anything)."""
@@ -285,22 +294,29 @@ async def publish(selector: str, key: str | None, mapping: str | None, input_pat
     after the lines before it are published.
     """
     parsed = parse_selector(selector)
-    async with BrokerClient(broker, security) as client, PolledList(client, parsed) as polled:
-        _check_journals(polled, selector)
-        mapping_func = _mapping(mapping, key, polled)
-        tally: Counter[str] = Counter()
-        started = time.monotonic()
-        progress = asyncio.create_task(_progress(tally, started))
+    tally: Counter[str] = Counter()
+    with opened_input(input_path) as source, _opened_output(unpublished_path) as unpublished:
+        reading = False
         try:
-            async with AppendService(client) as service:
-                with opened_input(input_path) as source, _opened_output(
-                        unpublished_path) as unpublished:
-                    await publish_lines(Publisher(service), mapping_func, source, tally,
-                                        unpublished)
-        except EmptyPartitions as err:  # every journal was deleted while publishing
-            raise CliError(str(err)) from None
-        finally:
-            progress.cancel()
+            async with BrokerClient(broker, security) as client, \
+                    PolledList(client, parsed) as polled:
+                _check_journals(polled, selector)
+                mapping_func = _mapping(mapping, key, polled)
+                started = time.monotonic()
+                progress = asyncio.create_task(_progress(tally, started))
+                try:
+                    async with AppendService(client) as service:
+                        reading = True
+                        await publish_lines(Publisher(service), mapping_func, source, tally,
+                                            unpublished)
+                except EmptyPartitions as err:  # every journal was deleted while publishing
+                    raise CliError(str(err)) from None
+                finally:
+                    progress.cancel()
+        except Exception:
+            if unpublished is not None and not reading:  # (a broker out of reach, say)
+                _keep_all(source, unpublished)
+            raise
     count = tally.total()
     elapsed = time.monotonic() - started
     click.echo(f"published {plural(count, 'message')} to {plural(len(tally), 'journal')} "
