@@ -12,6 +12,8 @@ import asyncio
 import hashlib
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import urllib.request
 import uuid
@@ -254,6 +256,16 @@ def test_a_restart_while_the_store_cant_be_listed_skips_and_overwrites_nothing(
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "offsets below 4,500 are in its fragment stores, which could not be listed" \
             in refused.value.details() and "file:///" in refused.value.details()
+        # A command-line read retries, and says so once it lasts (it was silent, for ever).
+        reading = subprocess.Popen([sys.executable, "-m", "streamkit.cli.main", "journals",
+                                    "read", journal, "--broker", broker.address],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            _, err = reading.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            reading.kill()
+            _, err = reading.communicate()
+        assert b"restarting read of unlisted/j at 0" in err and b"could not be listed" in err
         assert wire.append(journals, journal, b"more").commit.begin == 4500  # the head is known
         _listable(folder, away)
         wire.wait_until(lambda: _read_or_code(journals, journal) == b"A" * 1500 + b"B" * 1500

@@ -36,6 +36,7 @@ __all__ = ["Reader", "RetryReader", "read_write_head"]
 log = logging.getLogger(__name__)
 
 _DIRECT_READ = 1 << 20  # largest read() answered from a directly opened fragment
+_LASTING = 8  # retries of a transient failure (~5 s of backoff) before it is a warning
 
 
 class _ByteStream(AsyncClosing):
@@ -268,8 +269,10 @@ class RetryReader(_ByteStream):
                 if not _retryable(exc):
                     raise
                 level = logging.WARNING
-                if is_transient(exc):
-                    level = logging.INFO if self._backoff.worth_saying() else logging.DEBUG
+                if is_transient(exc):  # said louder once it lasts (~5 s): not a restart's blip
+                    saying = self._backoff.worth_saying()
+                    level = logging.DEBUG if not saying else (
+                        logging.WARNING if self._backoff.attempt >= _LASTING else logging.INFO)
                 log.log(level, "restarting read of %s at %d: %s",
                         self.journal, self.offset, describe(exc))
                 await self._backoff.sleep()
