@@ -9,12 +9,16 @@ persisting other journals, nor flood its log.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -293,3 +297,42 @@ def test_a_restart_while_the_store_cant_be_listed_skips_and_overwrites_nothing(
         assert wire.wait_until(appended, timeout=20).commit.begin == 4500  # not 0
     finally:
         broker.kill()
+
+
+def test_a_store_that_hangs_holds_up_no_other_journal(
+        aws_env: None, tmp_path: Path) -> None:
+    """An S3 endpoint that takes connections and never answers. Its journals' listings
+    (at open) and puts hang; every append to every other journal waited behind them (they
+    held the threads each commit syncs in), for a minute per call."""
+    hung = socket.socket()  # the kernel accepts connections; nothing ever answers
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)
+    url = f"s3://hung/?endpoint=http://127.0.0.1:{hung.getsockname()[1]}&region=us-east-1"
+    broker = BrokerProcess(tmp_path / "broker").start()
+    names = [f"hung/j{n}" for n in range(10)]
+    try:
+        journals = wire.stub(broker.address)
+        wire.create(journals, *(wire.spec(n, length=1024, stores=[url]) for n in names),
+                    wire.spec("fine/local", length=1024, codec=pb.NONE))
+
+        def append(name: str) -> None:
+            with contextlib.suppress(grpc.RpcError):  # the broker is killed meanwhile
+                wire.append(journals, name, b"x" * 2000)
+
+        waiting = [threading.Thread(target=append, args=(n,), daemon=True) for n in names]
+        for thread in waiting:
+            thread.start()
+        time.sleep(1.0)  # not a synchronisation: the hung journals' opens under way
+        started = time.monotonic()
+        for _ in range(20):
+            response = journals.Append(wire.append_requests(
+                pb.AppendRequest(journal="fine/local"), [b"y" * 1500]), timeout=10)
+            assert response.status == pb.OK
+        assert time.monotonic() - started < 10
+        content, _ = wire.read(journals, "fine/local", offset=0)
+        assert content == b"y" * 30000
+        wire.wait_until(lambda: sum(bool(f.backing_store)
+                                    for f in wire.fragments(journals, "fine/local")) >= 19)
+    finally:
+        broker.kill()
+        hung.close()

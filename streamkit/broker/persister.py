@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 from streamkit.broker import metrics
+from streamkit.broker.local_disk import on_disk
 from streamkit.broker.replica import Replica
 from streamkit.broker.spool import Spool
 from streamkit.protocol import pb
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 
 _CHUNK = 1 << 20
 FIRST_RETRY, MAX_RETRY = 1.0, 300.0  # seconds, doubling in between
+# A put taking longer than PUT_SECONDS, plus a second per PUT_RATE bytes, is given up.
+PUT_SECONDS, PUT_RATE = 60.0, 1 << 20
 
 _Item = tuple[Replica, Spool]
 
@@ -198,9 +201,12 @@ class Persister:
         store = replica.stores[0]
         fragment = spool.fragment()
         fragment.backing_store = store.url
-        path = await asyncio.to_thread(compress_spool, spool, self.scratch_dir)
+        path = await on_disk(compress_spool, spool, self.scratch_dir)
+        limit = PUT_SECONDS + (fragment.end - fragment.begin) / PUT_RATE
         try:
-            await store.put(fragment, path)
+            await asyncio.wait_for(store.put(fragment, path), limit)
+        except TimeoutError:  # a store that hangs: the spool is retried, others go on
+            raise TimeoutError(f"{store.url} took no fragment in {limit:.0f}s") from None
         finally:
             path.unlink(missing_ok=True)
         fragment.mod_time = int(time.time())

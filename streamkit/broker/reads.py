@@ -9,7 +9,6 @@ gap precedes the next fragment the metadata carries the jumped-to offset.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -122,14 +121,14 @@ class ReadStream:
             return
         doing = f"reading fragment {content_name(fragment)} from {store.url}"
         try:
-            stream = await asyncio.to_thread(_open_at, store, fragment, self.offset)
+            stream = await store.in_thread(_open_at, store, fragment, self.offset)
         except (OSError, FragmentStoreError) as error:
             raise storage_fault(self.replica.name, doing, error) from error
         try:
             remaining = self._stop(fragment) - self.offset
             while remaining > 0:
                 try:
-                    chunk = await asyncio.to_thread(stream.read, min(CHUNK, remaining))
+                    chunk = await store.in_thread(stream.read, min(CHUNK, remaining))
                 except (OSError, FragmentStoreError) as error:
                     raise storage_fault(self.replica.name, doing, error) from error
                 if not chunk:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from streamkit.broker.faults import JournalFault, StoresUnlisted
 from streamkit.broker.index import FragmentIndex
+from streamkit.broker.local_disk import on_disk
 from streamkit.broker.spool import Spool
 from streamkit.broker.stores import FragmentStore
 from streamkit.protocol import pb
@@ -78,7 +79,7 @@ class Replica:
         waits for a listing before it takes appends (its data dir may be lost)."""
         replica = cls(spec, directory, stores)
         replica._on_roll = on_roll
-        rolled = await asyncio.to_thread(replica._recover_spools)
+        rolled = await on_disk(replica._recover_spools)
         if new and replica.known_from == sys.maxsize:
             replica.known_from = 0
         await replica.refresh()

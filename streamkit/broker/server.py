@@ -101,6 +101,9 @@ class Broker:
         self._gateway_task: asyncio.Task[None] | None = None
         self._gateway_sock: socket.socket | None = None
         self._refreshed: dict[str, float] = {}
+        # Listings in flight, by journal: each its own task, so that a store that hangs
+        # delays neither the other journals' listings nor the ticker's rolls.
+        self._refreshing: dict[str, asyncio.Task[None]] = {}
         self._data_lock: ProcessLock | None = None  # one broker per data dir (data_lock.py)
 
     def request_stop(self) -> None:
@@ -194,6 +197,8 @@ class Broker:
         finally:
             try:
                 await cancel_and_wait(ticker, "the broker's ticker")
+                for task in list(self._refreshing.values()):
+                    await cancel_and_wait(task, "a store listing")
             finally:  # even when the caller is cancelled meanwhile: spools must persist
                 await self.stop()
 
@@ -270,9 +275,18 @@ class Broker:
     async def _maybe_refresh(self, replica: Replica, now: float) -> None:
         interval = replica.spec.fragment.refresh_interval.ToSeconds() or 300
         last = self._refreshed.setdefault(replica.name, now)
-        if now - last >= interval:
+        if now - last >= interval and replica.name not in self._refreshing:
             self._refreshed[replica.name] = now
+            task = asyncio.create_task(self._refresh(replica), name=f"refresh {replica.name}")
+            self._refreshing[replica.name] = task
+            task.add_done_callback(lambda _: self._refreshing.pop(replica.name, None))
+
+    async def _refresh(self, replica: Replica) -> None:
+        try:
             await replica.refresh()
+        except Exception as err:  # (a store's failure is said by the replica)
+            log.warning("journal %s: refreshing its store listing failed: %s",
+                        replica.name, err, exc_info=not isinstance(err, OSError))
 
 
 def keep_freed_memory(trim_threshold: int = 256 << 20) -> bool:

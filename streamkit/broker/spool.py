@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from streamkit.broker.local_disk import on_disk
 from streamkit.protocol import pb
 from streamkit.protocol.fragments import sum_of
 
@@ -345,7 +346,7 @@ class SpoolAppend:
             inline = b"".join(self._small) if self._small is not None else b""
             record = _encode_record(end, now_ms, registers, inline)
             sync_spool = self.length > len(inline)
-            await asyncio.to_thread(_sync_commit, spool, spool._log_fd, record, sync_spool)
+            await on_disk(_sync_commit, spool, spool._log_fd, record, sync_spool)
         spool.end = end
         spool._sha1 = self._spool_sha1
         if self.length and not spool.first_append_ms:

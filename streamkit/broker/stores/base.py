@@ -8,13 +8,14 @@ other metadata.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, TypeVar
 from urllib.parse import SplitResult, parse_qsl
 
 from streamkit.errors import StreamkitError
@@ -24,6 +25,8 @@ from streamkit.protocol.fragments import FragmentNameError, parse_content_path
 from .postfix import postfix_matcher
 
 __all__ = ["CONTENT_TYPES", "FragmentStore", "FragmentStoreError", "store_args", "translate_errors"]
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,12 @@ class FragmentStore(ABC):
     def __init__(self, url: str) -> None:
         # Exactly as written in the JournalSpec: listed fragments carry it as backing_store.
         self.url = url
+
+    async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` (blocking calls of this store, `open` and reading what it returned)
+        in a worker thread. A remote store has threads of its own, so that one that hangs
+        holds none of the others'."""
+        return await asyncio.to_thread(fn, *args)
 
     @abstractmethod
     async def list(self, journal: str, postfix_template: str | None = None) -> list[pb.Fragment]:

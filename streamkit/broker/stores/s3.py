@@ -9,9 +9,12 @@ from the named `profile`.
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO, TypeVar, cast
 from urllib.parse import urlsplit
 
 import boto3
@@ -25,6 +28,13 @@ from streamkit.protocol.fragments import content_path
 from .base import CONTENT_TYPES, FragmentStore, FragmentStoreError, store_args, translate_errors
 
 __all__ = ["S3Store"]
+
+T = TypeVar("T")
+
+# S3 calls run on threads of their own (see FragmentStore.in_thread), and give up on an
+# endpoint that accepts but never answers.
+_THREADS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="s3-store")
+_CONNECT_TIMEOUT, _READ_TIMEOUT = 5.0, 30.0  # seconds
 
 _ERRORS = (BotoCoreError, ClientError, S3UploadFailedError)  # the last from upload_file
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
@@ -61,6 +71,9 @@ class S3Store(FragmentStore):
             signature_version="s3v4",
             s3={"addressing_style": "path"} if endpoint else {},
             retries={"mode": "standard"},
+            # botocore waits 60 s by default: a hung endpoint held calls for minutes.
+            connect_timeout=_CONNECT_TIMEOUT,
+            read_timeout=_READ_TIMEOUT,
         )
         with translate_errors(self, "configuring the client", _ERRORS):
             session = boto3.session.Session(
@@ -74,10 +87,15 @@ class S3Store(FragmentStore):
     async def _call(self, action: str, method: str, **kwargs: Any) -> Any:
         """Run one client method in a thread, with its errors as FragmentStoreError."""
         with translate_errors(self, action, _ERRORS):
-            return await asyncio.to_thread(getattr(self._client, method), **kwargs)
+            return await self.in_thread(functools.partial(getattr(self._client, method),
+                                                          **kwargs))
 
     async def list(self, journal: str, postfix_template: str | None = None) -> list[pb.Fragment]:
-        return await asyncio.to_thread(self._list, journal, postfix_template)
+        return await self.in_thread(self._list, journal, postfix_template)
+
+    async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_THREADS, functools.partial(fn, *args))
 
     def _list(self, journal: str, postfix_template: str | None) -> list[pb.Fragment]:
         prefix = f"{self.prefix}{journal}/"
