@@ -141,7 +141,9 @@ async def _answer(replica: Replica, body: dict[str, Any]) -> tuple[int, str]:
     except QueryError as err:
         return 400, str(err) or type(err).__name__
     except Exception as err:
-        log.warning("query of shard %s failed: %s: %s", replica.id, type(err).__name__, err)
+        # With the app's frames (if it raised in its own code): the answer names only the error.
+        log.warning("query of shard %s failed: %s: %s%s", replica.id, type(err).__name__, err,
+                    replica.app_traceback(err))
         return 500, f"query failed: {type(err).__name__}: {err}"
     try:  # NaN and infinities aren't JSON: clients would choke on them
         return 200, json.dumps(answer, allow_nan=False)

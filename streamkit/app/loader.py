@@ -21,7 +21,15 @@ from pathlib import Path
 from streamkit.app.application import Application
 from streamkit.protocol.problems import Problem, SpecError
 
-__all__ = ["ApplicationLoadError", "forget_app_modules", "import_application"]
+__all__ = [
+    "ApplicationLoadError",
+    "app_folder",
+    "app_frames",
+    "app_location",
+    "app_traceback",
+    "forget_app_modules",
+    "import_application",
+]
 
 # The field of streamkit.yaml every problem here is about.
 _FIELD = "application"
@@ -107,6 +115,58 @@ def _within(path: str | None, folder: Path) -> bool:
     return path is not None and Path(path).resolve().is_relative_to(folder)
 
 
+# Streamkit's own code: never the app's, even in a checkout that holds the app.
+_STREAMKIT = Path(__file__).resolve().parent.parent
+_LIBRARIES = {"site-packages", "dist-packages"}  # a .venv in the app's folder holds these
+
+
+def app_folder(cls: type) -> Path | None:
+    """The folder the app's code was imported from (the app folder, for a class that
+    `import_application` loaded): the sys.path entry its module's file lies under.
+    None when the module has no file."""
+    path = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    if not isinstance(path, str):
+        return None
+    root = Path(path).resolve().parent
+    depth = cls.__module__.count(".") + (Path(path).stem == "__init__")
+    return root.parents[depth - 1] if depth else root
+
+
+def _own(path: str, folder: Path) -> bool:
+    """Whether `path` is the app's own code: in its folder, neither streamkit nor a library."""
+    if not _within(path, folder):
+        return False
+    resolved = Path(path).resolve()
+    return (not resolved.is_relative_to(_STREAMKIT)
+            and not _LIBRARIES.intersection(resolved.relative_to(folder).parts))
+
+
+def app_frames(error: BaseException, folder: Path) -> list[traceback.FrameSummary]:
+    """The frames of `error`'s traceback in the app's own code (in `folder`), outermost
+    first: what tells the user which of their lines raised, without streamkit's frames."""
+    return [f for f in traceback.extract_tb(error.__traceback__) if _own(f.filename, folder)]
+
+
+def app_location(error: BaseException, folder: Path | None) -> str:
+    """The last line of the app's code `error` went through, as " (at app.py:30)" (a path
+    relative to `folder`); "" if none."""
+    frames = app_frames(error, folder) if folder is not None else []
+    if folder is None or not frames:
+        return ""
+    last = frames[-1]
+    return f" (at {Path(last.filename).resolve().relative_to(folder.resolve())}:{last.lineno})"
+
+
+def app_traceback(error: BaseException, folder: Path | None) -> str:
+    """The app's frames of `error`'s traceback as Python prints them (`  File "…", line N,
+    in hook` and the line), under a heading; "" if it went through none of the app's code."""
+    frames = app_frames(error, folder) if folder is not None else []
+    if not frames:
+        return ""
+    return ("\nTraceback of the application's code (most recent call last):\n"
+            + "".join(traceback.format_list(frames)).rstrip("\n"))
+
+
 def _forget_other_app(folder: Path, top: str, source: str) -> None:
     existing = sys.modules.get(top)
     if existing is None or _within(getattr(existing, "__file__", None), folder):
@@ -146,11 +206,8 @@ def _import_failed(
 ) -> ApplicationLoadError:
     """The exception's text and the last line of the app's code it went through."""
     text = " ".join(str(err).split())
-    where = ""
-    if not isinstance(err, SyntaxError):  # its text already names file and line
-        frames = [f for f in traceback.extract_tb(err.__traceback__) if _within(f.filename, folder)]
-        if frames:
-            where = f" (at {Path(frames[-1].filename).relative_to(folder)}:{frames[-1].lineno})"
+    # A SyntaxError's text already names file and line.
+    where = "" if isinstance(err, SyntaxError) else app_location(err, folder)
     return _error(
         f"importing module {module_name!r} failed: {type(err).__name__}: {text}{where}", source
     )

@@ -23,6 +23,7 @@ from streamkit.app.application import Application, QueryError
 from streamkit.app.assignment import item_key
 from streamkit.app.checkpoints import producer_states, start_offsets
 from streamkit.app.hints import load_hints, push_backup_hints, store_primary_hints
+from streamkit.app.loader import app_folder, app_location, app_traceback
 from streamkit.app.publishing import ShardPublisher
 from streamkit.app.shard import Shard, StoreFactory
 from streamkit.app.sources import SourceInput
@@ -32,6 +33,7 @@ from streamkit.app.watchdog import HookRecord, Watchdog
 from streamkit.client import BrokerClient, RegisterMismatch
 from streamkit.client.append_service import AppendService
 from streamkit.client.reader import read_write_head
+from streamkit.errors import StreamkitError
 from streamkit.keyspace.keyspace import KeySpace
 from streamkit.message.mapping import MappingFunc
 from streamkit.message.publisher import Publisher
@@ -44,7 +46,7 @@ from streamkit.recoverylog.recovery import Playback
 from streamkit.stores.store import FencedError, Store
 from streamkit.tasks import Countdown, cancel_and_wait, wait_finished
 
-__all__ = ["Replica", "Runtime"]
+__all__ = ["AppInitFailed", "Replica", "Runtime"]
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +106,32 @@ def is_fenced(error: BaseException) -> bool:
     return False
 
 
+class AppInitFailed(StreamkitError):
+    """Creating the shard's Application instance raised (its `__init__`); the cause is the
+    app's error. Fails the shard as any error of its code does, never the member: the
+    same class fails the same way wherever its shards move. `reason` names the class."""
+
+    def __init__(self, factory: Callable[[], Application], error: BaseException) -> None:
+        name = (f"{factory.__module__}:{factory.__qualname__}" if isinstance(factory, type)
+                else getattr(factory, "__qualname__", repr(factory)))
+        text = f"{type(error).__name__}: {error}" if str(error) else repr(error)
+        self.reason = f"creating the application ({name}) failed: {text}"
+        super().__init__(self.reason)
+
+
 class Replica:
     """One assignment of a shard to this process; see the module docstring."""
 
     def __init__(self, runtime: Runtime, spec: consumer_pb.ShardSpec) -> None:
         self.runtime = runtime
-        self.app = runtime.app_factory()
+        self._app: Application | None = None
+        # Made here, so that it is there as soon as the replica is; if the app's constructor
+        # raises, that is kept and raised as primary, where it fails only this shard.
+        self._app_error: AppInitFailed | None = None
+        try:
+            self._app = self._new_app()
+        except AppInitFailed as error:
+            self._app_error = error
         self.shard = self._new_shard(spec)
         self._fences: list[float] = []  # monotonic times this replica was fenced
         self.status = consumer_pb.ReplicaStatus(code=Code.IDLE)
@@ -129,9 +151,34 @@ class Replica:
                      work_dir=runtime.work_dir / spec.id, mappings=runtime.mappings,
                      store_factory=runtime.store_factory)
 
+    def _new_app(self) -> Application:
+        factory = self.runtime.app_factory
+        try:
+            return factory()
+        except Exception as error:
+            raise AppInitFailed(factory, error) from error
+
+    @property
+    def app(self) -> Application:
+        """This term's Application instance. Raises AppInitFailed if it could not be made."""
+        if self._app is None:
+            assert self._app_error is not None
+            raise self._app_error
+        return self._app
+
     @property
     def id(self) -> str:
         return self.shard.id
+
+    def app_traceback(self, error: BaseException) -> str:
+        """The frames of `error`'s traceback in the app's own code, formatted for a log
+        line ("" if none): where the user's code raised, without streamkit's frames."""
+        return app_traceback(error, self._app_folder())
+
+    def _app_folder(self) -> Path | None:
+        factory = self.runtime.app_factory
+        cls = type(self._app) if self._app is not None else factory
+        return app_folder(cls) if isinstance(cls, type) else None
 
     # --- transitions --------------------------------------------------------------
 
@@ -266,11 +313,20 @@ class Replica:
                     await self._fenced(error)
                 return
             message = f"{type(error).__name__}: {error}" if str(error) else repr(error)
-            if isinstance(error, TransactionFailed):
-                message = error.reason  # names transaction and phase; this line names the shard
-            log.error("shard %s failed: %s", self.id, message,
-                      exc_info=not isinstance(error, QueryError | OSError | TransactionFailed))
-            self._set_status(Code.FAILED, message)
+            where = trace = ""
+            if isinstance(error, TransactionFailed | AppInitFailed):
+                # Names the transaction and phase, or the class; this line names the shard.
+                message = error.reason
+                cause = error.__cause__
+                if cause is not None:
+                    # The app's own code raised: its frames say which line (none: streamkit's
+                    # error, which its message explains).
+                    where = app_location(cause, self._app_folder())
+                    trace = self.app_traceback(cause)
+            log.error("shard %s failed: %s%s", self.id, message, trace,
+                      exc_info=not isinstance(
+                          error, QueryError | OSError | TransactionFailed | AppInitFailed))
+            self._set_status(Code.FAILED, message + where)
             await self._release()
 
     async def _fenced(self, error: BaseException) -> None:
@@ -391,15 +447,16 @@ class Replica:
 
     async def _primary(self, standby: asyncio.Task[None] | None) -> None:
         shard, runtime = self.shard, self.runtime
+        if standby is not None and not standby.done():
+            # It is at most waiting for the log's head; playback goes on.
+            await cancel_and_wait(standby, f"shard {self.id}'s standby")
         if self.loop is not None:
             # A term as primary ended here (fenced, recovering again): its transaction
             # may have been cut off mid-way, leaving its work in the app's attributes
             # (a dict of counts, say). The new term must not build on that.
-            self.app = runtime.app_factory()
+            self._app = self._new_app()
             self.loop = None
-        if standby is not None and not standby.done():
-            # It is at most waiting for the log's head; playback goes on.
-            await cancel_and_wait(standby, f"shard {self.id}'s standby")
+        app = self.app  # raises AppInitFailed if the app could not be made with the replica
         fs = None
         phases = _Phases()
         with runtime.taking_over.counted():
@@ -409,7 +466,7 @@ class Replica:
             phases.mark("take-over")
             hooks = self._hooks = runtime.watchdog.watch(shard.id)
             with hooks.call("new_store", False):
-                store = self.store = self.app.new_store(shard, fs)
+                store = self.store = app.new_store(shard, fs)
             cp = await store.restore_checkpoint(shard.id)
             phases.mark("store")
         if standby is None:
@@ -433,20 +490,19 @@ class Replica:
         # The application may read journals beyond the spec's: resume those where the
         # checkpoint says too (the Sequencer tracks any journal it is fed).
         app_offsets = {j: s.read_through for j, s in cp.sources.items()} | offsets
-        readers = self.app.read_sources(shard, store, dict(app_offsets))
+        readers = app.read_sources(shard, store, dict(app_offsets))
         if readers is not None:
             readers, offsets = list(readers), app_offsets
         sequencer = Sequencer(producer_states(cp), ring, offsets=offsets)
         journals = set(offsets) | {r.journal for r in readers or ()}
-        types = {journal: self.app.new_message(journal) for journal in journals}
-        app = self.app
+        types = {journal: app.new_message(journal) for journal in journals}
         source = SourceInput(
             shard.client, sequencer, offsets, types, file_root=runtime.file_root,
             shard_id=shard.id, readers=readers,
             replay=lambda journal, begin, end: app.replay_range(shard, store, journal, begin, end),
         )
         publisher = ShardPublisher(Publisher(shard.appends), shard.output)
-        self.loop = TransactionLoop(shard, self.app, store, publisher, source, hooks)
+        self.loop = TransactionLoop(shard, app, store, publisher, source, hooks)
         self._set_status(Code.PRIMARY)
         log.info(
             "shard %s: primary, reading %s (%s)",
