@@ -9,7 +9,10 @@ import urllib.request
 
 import pytest
 
+from streamkit.protocol import pb
+from streamkit.protocol.fragments import content_path
 from tests import wire
+from tests.brokerproc import BrokerProcess
 
 
 def _http(method: str, url: str, body: bytes | None = None):
@@ -121,3 +124,31 @@ async def test_the_gateway_starts_on_the_first_connection_and_stops_unstarted(tm
             await broker.stop()
         with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port + 1), 1):
             pass
+
+
+def test_a_reader_leaving_is_no_error_and_a_fragment_that_wont_open_is_a_503(tmp_path) -> None:
+    """A GET whose client leaves mid-body was logged as an ERROR with a traceback, each
+    time; a GET whose first fragment can't be opened answered 206 and cut the body."""
+    broker = BrokerProcess(tmp_path / "broker").start()
+    try:
+        name = "http/leaving"
+        journals = wire.stub(broker.address)
+        wire.create(journals, wire.spec(name, length=1 << 20, codec=pb.NONE))
+        for n in range(6):
+            assert wire.append(journals, name, bytes([97 + n]) * (1 << 20)).status == pb.OK
+        host, port = broker.http_url.removeprefix("http://").split(":")
+        for _ in range(3):
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                request = f"GET /{name}?offset=0 HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n"
+                sock.sendall(request.encode())
+                assert sock.recv(1000).startswith(b"HTTP/1.1 206")
+        wire.wait_until(lambda: "the client went away" in broker.log())
+
+        persisted = wire.wait_until(lambda: [f for f in wire.fragments(journals, name)
+                                             if f.backing_store])
+        (broker.data_dir / "fragments" / content_path(persisted[0])).unlink()
+        status, _, body = _http("GET", f"{broker.http_url}/{name}?offset=0")
+        assert status == 503 and f"journal {name}: reading fragment".encode() in body, body
+        assert "Error handling request" not in broker.log() and "Traceback" not in broker.log()
+    finally:
+        broker.kill()

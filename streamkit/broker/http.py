@@ -168,17 +168,28 @@ class HttpGateway:
         first = await anext(responses)
         if first.status != pb.OK:
             return _status_error(first.status, journal)
+        contents = _contents(responses)
+        opening: bytes | None = None
+        if first.fragment.backing_store and request.method != "HEAD":
+            # A stored fragment may not open (its store down): said with a status while
+            # none was sent (a 206 and a cut body told the client nothing).
+            opening = await anext(contents, None)
         response = web.StreamResponse(status=206, headers=_read_headers(first))
         await response.prepare(request)
         if request.method == "HEAD":
             return response
         try:
-            async for message in _contents(responses):
+            if opening is not None:
+                await response.write(opening)
+            async for message in contents:
                 await response.write(message)
         except JournalFault as fault:  # the status was sent: cut the body short, say why
             log.warning("GET %s ended early: %s", journal, fault)
             if request.transport is not None:
                 request.transport.close()
+            return response
+        except ConnectionError as error:  # the reader left: an everyday event, not an error
+            log.info("GET %s: the client went away (%s)", journal, error)
             return response
         await response.write_eof()
         return response
