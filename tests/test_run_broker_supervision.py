@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sqlite3
 import time
 from pathlib import Path
 
@@ -101,10 +102,14 @@ async def test_broker_sigkill_is_reported_restarted_and_counts_stay_exact(
     counted once and no output update repeats; Ctrl-C then stops run, committing. (How
     soon it reports and stops is printed as a hint: timings are measured in bench/.)"""
     app, port, address = _app_on_a_port(tmp_path)
-    run = _run_bundled(app, port, tmp_path / "run.log", "--workers", "2")
+    run = _run_bundled(app, port, tmp_path / "run.log", "--workers", "2", "--lease-ttl", "3")
     try:
         async with AppView(app, address) as view:
             await view.wait_serving(timeout=60)
+            # Both members hold leases of --lease-ttl (run had no such option).
+            with sqlite3.connect(app / ".streamkit" / "keyspace.db") as db:
+                ttls = [ttl for (ttl,) in db.execute("SELECT ttl FROM leases")]
+            assert len(ttls) >= 2 and set(ttls) == {3.0}, ttls
             ids = Feeder(app, address, tmp_path / "feed-1.log", count=400,
                          interval=0).start().finish()
             await _check_exact(view, ids)

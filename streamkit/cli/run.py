@@ -349,11 +349,11 @@ def start_bundled_broker(config: AppConfig, port: int, keyspace_url: str,
 
 def _start_worker(index: int, app_dir: Path, broker: str, keyspace_url: str,
                   file_root: Path | None, overrides: dict[str, object], workers: int,
-                  log_level: str, security: Security) -> Child:
+                  log_level: str, lease_ttl: float, security: Security) -> Child:
     """`streamkit serve` as worker `index` of `run --workers`: the same app, broker,
     KeySpace and command-line overrides (it loads streamkit.yaml as this process does)."""
     args = ["serve", str(app_dir), "--broker", broker, "--keyspace", keyspace_url,
-            "--suffix", f"worker-{index}", "--log-level", log_level,
+            "--suffix", f"worker-{index}", "--log-level", log_level, "--lease-ttl", str(lease_ttl),
             "--expect-members", str(workers), "--worker-of-run"]
     for option, value in overrides.items():
         if value is not None:
@@ -362,6 +362,14 @@ def _start_worker(index: int, app_dir: Path, broker: str, keyspace_url: str,
         args += ["--file-root", str(file_root)]
     return start_child(f"worker {index}", args, data_dir_of(app_dir) / f"worker-{index}.log",
                        env=security_env(security, dict(os.environ)))
+
+
+lease_ttl_option = click.option(
+    "--lease-ttl", type=click.FloatRange(0.5, 600), default=1.0, show_default=True,
+    metavar="SECONDS",
+    help="The member's lease: others take its shards over this long after it stops "
+         "answering (etcd rounds it up to whole seconds). Longer rides out slow networks "
+         "and stalls; shorter fails over sooner.")
 
 
 @click.command("run")
@@ -386,11 +394,13 @@ def _start_worker(index: int, app_dir: Path, broker: str, keyspace_url: str,
               help="Show the live status table (default: when stdout is a terminal).")
 @click.option("--log-level", default="WARNING", show_default=True, envvar="STREAMKIT_LOG_LEVEL",
               type=click.Choice(_LEVELS, case_sensitive=False), help="Log level of the shards.")
+@lease_ttl_option
 @security_options(serves=True, dials=True)
 @async_command(interrupt_exit=0)
 async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, workers: int,
               standbys: int | None, store: str | None, keyspace: str | None,
-              status: bool | None, log_level: str, security: Security) -> None:
+              status: bool | None, log_level: str, lease_ttl: float,
+              security: Security) -> None:
     """Run APP_DIR's shards (default: the current folder) until Ctrl-C.
 
     With --auth-keys the bundled broker and the members require tokens, and with
@@ -433,7 +443,7 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
             file_root = data_dir / "broker" / "fragments"
         overrides = {"shards": shards, "store": store}
         workers_.extend(_start_worker(index, app_dir, broker, keyspace_url, file_root,
-                                      overrides, workers, log_level, security)
+                                      overrides, workers, log_level, lease_ttl, security)
                         for index in range(1, workers))
         from streamkit.client import BrokerClient
         from streamkit.keyspace import open_keyspace
@@ -449,7 +459,8 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
             await deploy_when_ready(config, client, ks, broker)
             async with _member(config, app_class, client, ks, suffix="worker-0",
                                broker_file_root=file_root, stop_timeout=stop_timeout,
-                               security=security, expect_members=workers) as member:
+                               security=security, expect_members=workers,
+                               lease_ttl=lease_ttl) as member:
                 # The first assignment waits for the workers (`expect_members`); this says
                 # why if one of them exits instead of joining.
                 await _wait_for_members(config, ks, workers_)
@@ -514,11 +525,7 @@ def _lock_app(app_dir: Path, data_dir: Path, broker: str) -> ProcessLock:
 @click.option("--zone", default="local", show_default=True,
               help="This member's zone: a shard's primary and standbys go to different zones "
                    "where the members allow it.")
-@click.option("--lease-ttl", type=click.FloatRange(0.5, 600), default=1.0, show_default=True,
-              metavar="SECONDS",
-              help="The member's lease: others take its shards over this long after it "
-                   "stops answering (etcd rounds it up to whole seconds). Longer rides out "
-                   "slow networks and stalls; shorter fails over sooner.")
+@lease_ttl_option
 @click.option("--store", type=click.Choice(STORE_KINDS), default=None,
               help="Store kind, overriding streamkit.yaml (must match the other members).")
 @click.option("--file-root", type=click.Path(file_okay=False, path_type=Path), default=None,
