@@ -127,7 +127,8 @@ def new(name: str, store: str, parent: Path) -> None:
         (f"streamkit journals read -l {TOPIC_LABEL}=totals --committed",
          "prints the totals it published"),
         (f"cd {shown} && python -m pytest",
-         "runs test_app.py: the app in-process against a temporary broker"),
+         "runs test_app.py: the app in-process against a temporary broker; "
+         "pytest is not installed with streamkit: pip install pytest"),
     ]
     click.echo("\nNext steps:")
     for command, what in steps:

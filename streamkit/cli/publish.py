@@ -203,7 +203,8 @@ async def publish_lines(publisher: Publisher, mapping: MappingFunc, source: IO[b
                     await unsettled.settle()
                     raise CliError(
                         f"input line {number + 1}: {err} (stopped there; the "
-                        f"{plural(tally.total(), 'message')} before it were published)",
+                        f"{plural(tally.total(), 'message')} before it "
+                        f"{'was' if tally.total() == 1 else 'were'} published)",
                         DATA_ERROR,
                     ) from None
                 unsettled.add(future, number, line)
