@@ -174,3 +174,7 @@ def test_field_key_reads_dicts_and_messages() -> None:
     assert field_key("count")({"count": 7}) == field_key("count")({"count": "7"}) == "7"
     with pytest.raises(ValueError, match="no field 'user'"):
         key({"name": "ann"})
+    # An app publishing a list said the list had no such field.
+    with pytest.raises(ValueError, match="an object .a dict. with field 'user' to map it by, "
+                                         "not a list"):
+        key([1, 2])

@@ -130,7 +130,7 @@ async def query(app_dir: Path, request: str, key: str | None, shard: str | None,
             "" if reached else f": is the app running (streamkit run {app_dir})?"))
     answer = by_shard[shard] if shard is not None else app_class().combine_answers(by_shard)
     click.echo(json.dumps(answer, indent=None if isinstance(answer, int | float | str)
-                          else 2, default=str))
+                          else 2, default=str, ensure_ascii=False))
     if failures:
         for shard_id, reason in failures.items():
             warn(f"shard {shard_id} did not answer: {reason}")

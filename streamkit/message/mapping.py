@@ -220,6 +220,9 @@ def field_key(name: str) -> KeyFunc:
         else:
             value = getattr(message, name, _MISSING)
         if value is _MISSING:
+            if isinstance(message, list | tuple | str | bytes | int | float | bool | None):
+                raise ValueError(f"a message is an object (a dict) with field {name!r} to "
+                                 f"map it by, not a {type(message).__name__}")
             raise ValueError(f"the message has no field {name!r} to map it by")
         return value if isinstance(value, str) else str(value)
 
