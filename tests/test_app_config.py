@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from click.testing import CliRunner
 
 from streamkit.app.application import Application
 from streamkit.app.config import (
@@ -20,6 +21,7 @@ from streamkit.app.config import (
     load_config,
 )
 from streamkit.app.loader import forget_app_modules
+from streamkit.cli.main import cli
 from streamkit.message.framing import content_type_of
 from streamkit.message.mapping import fnv1a32
 from streamkit.protocol.problems import SpecError
@@ -270,6 +272,38 @@ def test_yaml_syntax_error_names_the_line(tmp_path: Path,
         load_config(".")
     (line,) = str(caught.value).splitlines()
     assert line.startswith("streamkit.yaml: invalid YAML: line 4, column 1:"), line
+
+
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last of two `shards:` used to win silently; exit 2 like other config errors."""
+    text = "name: wordcount\napplication: app:WordCount\nshards: 4\nstandbys: 0\nshards: 2\n"
+    write_app(tmp_path, text=text)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as caught:
+        load_config(".")
+    (line,) = str(caught.value).splitlines()
+    assert line == ("streamkit.yaml: invalid YAML: line 5, column 1: "
+                    "key 'shards' given twice (first on line 3)"), line
+
+    result = CliRunner().invoke(cli, ["shards", "list", "--app", "."])
+    assert result.exit_code == 2, result.output
+    assert "key 'shards' given twice (first on line 3)" in result.stderr, result.stderr
+
+
+def test_a_nested_duplicate_key_is_refused_but_merge_keys_may_override(tmp_path: Path) -> None:
+    nested = yaml.safe_dump(BASE, sort_keys=False).replace(
+        "  min_duration: 250ms\n", "  min_duration: 250ms\n  min_duration: 1s\n")
+    write_app(tmp_path, text=nested)
+    with pytest.raises(ConfigError, match="key 'min_duration' given twice"):
+        load_config(tmp_path)
+    # A key a `<<` merge brings in may be overridden: that is what merging is for.
+    merged = yaml.safe_dump({k: v for k, v in BASE.items() if k != "transactions"},
+                            sort_keys=False)
+    merged += "transactions:\n  <<: {min_duration: 250ms, max_duration: 2s}\n" \
+              "  max_duration: 3s\n"
+    config = load_config(write_app(tmp_path, text=merged))
+    assert config.transactions.max_duration == timedelta(seconds=3)
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, ClassVar
 
 import orjson
 import pytest
 
+from streamkit.app.service import Service
 from streamkit.client import AppendService, BrokerClient, list_journals
 from streamkit.message.framing import UnknownFraming, framing_for
+from streamkit.message.framings.json_lines import NonFiniteNumber
 from streamkit.message.mapping import (
     EmptyPartitions,
     MappingFunc,
@@ -20,8 +23,17 @@ from streamkit.message.mapping import (
 from streamkit.message.message import Message
 from streamkit.message.publisher import AckIntent, Publisher
 from streamkit.message.uuid import UUID, Clock, Flags, clock_at, parse_uuid
+from streamkit.protocol import consumer_pb
 from tests.brokerproc import BrokerProcess
-from tests.helpers_client import create_journal, read_range, unique_name
+from tests.helpers_client import create_journal, eventually, read_range, unique_name
+from tests.test_app_runtime import (
+    WordCount,
+    _journals,
+    _publish_lines,
+    _read_counts,
+    _runtime,
+    _specs,
+)
 
 NDJSON = "application/x-ndjson"
 
@@ -212,3 +224,56 @@ async def test_a_dict_is_framed_as_its_framing_encodes_it(
         framing.encode(message, expected)
     assert (await read_range(client, journal, 0, end)).startswith(bytes(expected))
     assert (getattr(framing, "frame_dict", None) is not None) == (content_type == NDJSON)
+
+
+class _RatioCount(WordCount):
+    """Publishes a ratio it could not compute (NaN) with each word's count."""
+
+    def finalize_txn(self, shard: Any, store: Any, publisher: Any) -> None:
+        for word in self.deltas:
+            publisher.publish("counts", {"word": word, "count": 1, "shard": shard.id,
+                                         "ratio": float("nan")})
+        self.deltas.clear()
+
+
+class Reading(Message):
+    value: float
+    note: str | None = None
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+async def test_nan_and_infinity_are_refused_not_published_as_null(
+    client: BrokerClient, service: AppendService, bad: float
+) -> None:
+    """orjson (and pydantic) write them as null: the message would change silently."""
+    (journal,) = await topic(client, 1)
+    publisher = Publisher(service)
+    with pytest.raises(NonFiniteNumber, match=rf"message\['xs'\]\[1\]\['v'\] = {bad!r}: JSON"):
+        await publisher.publish_uncommitted(fixed(journal), {"xs": [None, {"v": bad}]})
+    with pytest.raises(ValueError, match=rf"message\['value'\] = {bad!r}.*Reading\("):
+        await publisher.publish_committed(fixed(journal), Reading(value=bad))
+    # A None (null as well) is published as ever; so are finite floats.
+    await publisher.publish_uncommitted(fixed(journal), {"xs": [None, {"v": 1.5}]})
+    future = await publisher.publish_committed(fixed(journal), Reading(value=2.5))
+    lines = await lines_of(client, journal, (await future).commit.end)
+    assert [line.get("xs", line.get("value")) for line in lines] == [[None, {"v": 1.5}], 2.5]
+
+
+async def test_nan_published_by_finalize_txn_fails_the_transaction(
+    shared_broker: BrokerProcess, tmp_path: Path
+) -> None:
+    """The shard fails naming the field; no count (and no null) reaches the output."""
+    async with BrokerClient(shared_broker.address) as client:
+        base = unique_name("app")
+        journals = await _journals(client, base, 1)
+        service = Service(_runtime(_RatioCount, client, tmp_path, journals["outputs"]))
+        specs = _specs(base, journals["inputs"])
+        try:
+            await service.assign(specs, {sid: 0 for sid in specs})
+            await _publish_lines(client, journals["inputs"], ["a b"])
+            replica = service.replicas["shard-000"]
+            await eventually(lambda: replica.status.code == consumer_pb.ReplicaStatus.FAILED)
+            assert "message['ratio'] = nan: JSON has no NaN" in replica.status.errors[0]
+            assert await _read_counts(client, journals["outputs"]) == {}
+        finally:
+            await service.stop()

@@ -8,6 +8,7 @@ Also runnable as the crash test's writer process:
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import random
 import re
@@ -137,6 +138,47 @@ async def test_transactions_reads_and_types(tmp_path: Path) -> None:
     again = RocksDBStore(tmp_path / "db")
     assert await again.restore_checkpoint("shard") == checkpoint_of(1)
     assert dict(again.items()) == {b"a": b"bytes", b"b": {"json": [1, 2]}}
+    await again.destroy()
+
+
+@pytest.mark.parametrize("key", [3, 10**9, 1.5, None, bytearray(b"a"), memoryview(b"a")])
+async def test_a_key_must_be_str_or_bytes(tmp_path: Path, key: Any) -> None:
+    """`bytes(3)` is three zero bytes (and `bytes(10**9)` a GiB): no such key is stored."""
+    store = RocksDBStore(tmp_path / "db")
+    await store.restore_checkpoint("shard")
+    kind = type(key).__name__
+    for call in (lambda: store.put(key, 1), lambda: store.get(key), lambda: store.delete(key),
+                 lambda: list(store.items(key))):
+        with pytest.raises(TypeError, match=f"must be str or bytes, not {kind}$"):
+            call()
+    with pytest.raises(TypeError, match=kind), store.write_batch() as batch:
+        batch.put(key, 1)
+    assert list(store.items()) == []
+    await store.destroy()
+
+
+async def test_nan_and_infinity_are_kept_as_put(tmp_path: Path) -> None:
+    """orjson would store them as null; like JSONFileStore, the store keeps them."""
+    nan, inf = float("nan"), float("inf")
+    values = {"nan": nan, "inf": inf, "nested": {"xs": [1.5, -inf, None], "ok": None},
+              "none": {"just": None}}
+    store = RocksDBStore(tmp_path / "db")
+    await store.restore_checkpoint("shard")
+    for key, value in values.items():
+        store.put(key, value)
+    with store.write_batch() as batch:
+        batch.put("batched", [nan])
+    await (await store.start_commit("shard", checkpoint_of(1), []))
+    await store.destroy()
+
+    again = RocksDBStore(tmp_path / "db")
+    await again.restore_checkpoint("shard")
+    got = dict(again.items())
+    assert repr(got) == repr({k.encode(): v for k, v in
+                              sorted({**values, "batched": [nan]}.items())}), got
+    assert again.get("nested")["xs"][1] == -inf and again.get("none") == {"just": None}
+    with pytest.raises(ValueError, match="key b'when': a value holding NaN"):
+        again.put("when", {"at": datetime.date(2024, 1, 1), "x": nan})
     await again.destroy()
 
 

@@ -304,6 +304,12 @@ def test_common_settings_merge_into_shards() -> None:
         ("journals: []", "f.yaml: journals: unknown field (expected `common` and `shards`)"),
         ("- id: shard-000", "f.yaml: a shard file is a mapping with `common` and `shards` keys"),
         ("shards: [id: {]", "f.yaml: invalid YAML: line 1"),
+        (
+            "common: {hot_standbys: 1}\nshards:\n- id: shard-000\n  hot_standbys: 2\n"
+            "  hot_standbys: 0",
+            "f.yaml: invalid YAML: line 5, column 3: key 'hot_standbys' given twice "
+            "(first on line 4)",
+        ),
     ],
 )
 def test_file_errors_name_source_shard_and_field(text: str, expected: str) -> None:

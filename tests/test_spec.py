@@ -400,6 +400,16 @@ def test_file_order_is_kept_and_plain_forms_load() -> None:
     [
         ("name: [", "f.yaml: invalid YAML: line 1, column 8"),
         (
+            "name: ex/abcd\nreplication: 3\nreplication: 1",
+            "f.yaml: invalid YAML: line 3, column 1: key 'replication' given twice "
+            "(first on line 2)",
+        ),
+        (
+            "name: ex/\nchildren:\n- name: ex/abcd\n  fragment: {length: 4096, length: 1024}",
+            "f.yaml: invalid YAML: line 4, column 28: key 'length' given twice "
+            "(first on line 4)",
+        ),
+        (
             "name: ex/\nchildren:\n- name: other/abcd",
             'f.yaml: journal "other/abcd": name: must start with its parent\'s name "ex/"',
         ),

@@ -71,6 +71,7 @@ from streamkit.protocol.problems import (
 )
 from streamkit.protocol.spec import FragmentSpec, JournalSpec, Label, journal_name_problem
 from streamkit.recoverylog.fsm import CONTENT_TYPE as RECOVERY_LOG_CONTENT_TYPE
+from streamkit.yaml_loading import load_yaml
 
 __all__ = [
     "APP_LABEL",
@@ -733,7 +734,7 @@ def load_config(app_dir: Path | str) -> AppConfig:
     except (OSError, UnicodeDecodeError) as err:
         raise _config_error(f"cannot read: {err}", source) from None
     try:
-        document = yaml.safe_load(text)
+        document = load_yaml(text)
     except yaml.YAMLError as err:
         raise ConfigError([yaml_problem(err, source)]) from None
     return AppConfig.parse(document, source, folder)

@@ -38,6 +38,7 @@ from streamkit.protocol.inheritance import (
 from streamkit.protocol.labels import label_set
 from streamkit.protocol.problems import FieldProblems, Problem, SpecError, yaml_problem
 from streamkit.protocol.spec import Label, SpecModel, journal_name_problem, label_set_problem
+from streamkit.yaml_loading import load_yaml
 
 __all__ = [
     "DEFAULT_MAX_TXN_DURATION",
@@ -459,7 +460,7 @@ def load_shard_entries(text: str, source: str = "<shards>") -> list[ShardEntry]:
     (or ``common``) and the field.
     """
     try:
-        document = yaml.safe_load(text)
+        document = load_yaml(text)
     except yaml.YAMLError as err:
         raise SpecError([yaml_problem(err, source)]) from None
     if document is None:

@@ -26,6 +26,7 @@ from streamkit.protocol.inheritance import (
 )
 from streamkit.protocol.problems import Problem, SpecError, yaml_problem
 from streamkit.protocol.spec import JournalSpec
+from streamkit.yaml_loading import load_yaml
 
 __all__ = ["SpecEntry", "dump_specs", "load_specs"]
 
@@ -146,7 +147,7 @@ def load_specs(text: str, source: str = "<specs>") -> list[SpecEntry]:
     listing every problem, each naming ``source``, the node and the field.
     """
     try:
-        document = yaml.safe_load(text)
+        document = load_yaml(text)
     except yaml.YAMLError as err:
         raise SpecError([yaml_problem(err, source)]) from None
     if document is None:

@@ -35,6 +35,7 @@ import orjson
 import rocksdict
 
 from streamkit.client.append_service import OpFuture
+from streamkit.message.framings.json_lines import has_non_finite
 from streamkit.protocol import consumer_pb, pb
 from streamkit.recoverylog.recorded_fs import RecordedFS
 from streamkit.stores.dir_observer import DirObserver, Observation
@@ -60,7 +61,8 @@ Key = bytes | str
 RESERVED_PREFIX = b"\x00streamkit/"
 CHECKPOINT_KEY = RESERVED_PREFIX + b"checkpoint"
 
-_BYTES, _JSON = b"b", b"j"  # value tags
+# Value tags: bytes, JSON (orjson's), JSON with NaN/Infinity constants (Python json's).
+_BYTES, _JSON, _NON_FINITE_JSON = b"b", b"j", b"n"
 MAX_MANIFEST_SIZE = 128 << 10  # small MANIFESTs roll often, so recovery reads little of them
 _MAX_PASSES = 200  # observation passes before a commit gives up on a still directory
 # Memtable sizes a store picks for itself (see `memtable_for`); the largest is RocksDB's default.
@@ -95,17 +97,37 @@ def memtable_for(state_bytes: int) -> int:
     return 1 << (size.bit_length() - 1)
 
 
+def _raw(key: Key, what: str = "key") -> bytes:
+    """`key` as bytes; only str and bytes are keys (`bytes(3)` would be b"\\0\\0\\0")."""
+    if isinstance(key, bytes):
+        return key
+    if isinstance(key, str):
+        return key.encode()
+    raise TypeError(f"a RocksDBStore {what} must be str or bytes, not {type(key).__name__}")
+
+
 def _key(key: Key) -> bytes:
-    raw = key.encode() if isinstance(key, str) else bytes(key)
+    raw = _raw(key)
     if raw.startswith(RESERVED_PREFIX):
         raise KeyError(f"key {raw!r} is in the store's reserved range")
     return raw
 
 
-def _encode(value: Any) -> bytes:
+def _encode(key: bytes, value: Any) -> bytes:
+    """`value` tagged. orjson writes NaN and ±Infinity as null; a value holding one is
+    written by Python's json instead (as JSONFileStore does), so `get` returns it as put.
+    Only a body containing `null` is searched, so ordinary values pay no Python scan."""
     if isinstance(value, bytes | bytearray | memoryview):
         return _BYTES + bytes(value)
-    return _JSON + orjson.dumps(value)
+    body = orjson.dumps(value)
+    if body.find(b"null") != -1 and has_non_finite(value):
+        try:
+            return _NON_FINITE_JSON + json.dumps(value, separators=(",", ":")).encode()
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"key {key!r}: a value holding NaN or ±Infinity must be plain "
+                             f"JSON (dicts, lists, str, numbers, bools, None): {error}"
+                             ) from error
+    return _JSON + body
 
 
 def _decode(raw: bytes) -> Any:
@@ -114,6 +136,8 @@ def _decode(raw: bytes) -> Any:
         return body
     if tag == _JSON:
         return orjson.loads(body)
+    if tag == _NON_FINITE_JSON:
+        return json.loads(body)
     raise StoreError(f"value with unknown tag {tag!r}: not written by RocksDBStore")
 
 
@@ -135,7 +159,8 @@ class WriteBatch:
         self.mutations: dict[bytes, bytes | None] = {}
 
     def put(self, key: Key, value: Any) -> None:
-        self.mutations[_key(key)] = _encode(value)
+        raw = _key(key)
+        self.mutations[raw] = _encode(raw, value)
 
     def delete(self, key: Key) -> None:
         self.mutations[_key(key)] = None
@@ -205,7 +230,8 @@ class RocksDBStore(Store):
     def put(self, key: Key, value: Any) -> None:
         """Set `key` to `value` (bytes, or anything JSON-serializable) in this transaction."""
         self._check_writable()
-        self._pending[_key(key)] = _encode(value)
+        raw = _key(key)
+        self._pending[raw] = _encode(raw, value)
 
     def delete(self, key: Key) -> None:
         self._check_writable()
@@ -221,7 +247,7 @@ class RocksDBStore(Store):
 
     def items(self, prefix: Key = b"") -> Iterator[tuple[bytes, Any]]:
         """(key, value) pairs under `prefix` in key order, as this transaction sees them."""
-        start = prefix.encode() if isinstance(prefix, str) else bytes(prefix)
+        start = _raw(prefix, "prefix")
         overlay = {} if VIEWING.get() is self else {**self._committing, **self._pending}
         changed = sorted(k for k in overlay if k.startswith(start))
         stored = self._stored_items(start)

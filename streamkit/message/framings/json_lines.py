@@ -10,6 +10,11 @@ or pydantic-core's JSON serializer/validator (models), never Python's json.
 * `Message` models: serialized by alias; decoded with full validation.
 * protobuf messages: JSON mapping with the .proto field names (as Gazette does).
 
+NaN and ±Infinity have no JSON spelling: orjson (and pydantic, by default) would
+write them as `null`, silently changing the message, so encoding one raises
+NonFiniteNumber naming the field. The check costs nothing for ordinary messages:
+only a frame that contains `null` is searched for the float that became it.
+
 A line that isn't a JSON object (or doesn't validate as the model) is reported
 with the offset of its first byte, its end and its bytes, and skipped: a bad
 line is always exactly one frame, so a shard may skip or dead-letter just it.
@@ -17,7 +22,7 @@ line is always exactly one frame, so a shard may skip or dead-letter just it.
 
 from __future__ import annotations
 
-import functools
+import math
 from typing import Any
 
 import orjson
@@ -25,6 +30,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message as ProtoMessage
 from pydantic import ValidationError
 
+from streamkit.errors import StreamkitError
 from streamkit.message.framing import (
     LineDecoderBase,
     acknowledgement_of,
@@ -38,11 +44,91 @@ try:  # the per-line loop of dict messages in C, where it was built (see _lines.
 except ImportError:  # no C compiler where streamkit was installed: the Python loop
     _decode_in_c = None
 
-__all__ = ["CONTENT_TYPE", "JsonLinesDecoder", "JsonLinesFraming"]
+__all__ = [
+    "CONTENT_TYPE",
+    "JsonLinesDecoder",
+    "JsonLinesFraming",
+    "NonFiniteNumber",
+    "has_non_finite",
+]
 
 CONTENT_TYPE = "application/x-ndjson"
 
 _DUMP_OPTIONS = orjson.OPT_APPEND_NEWLINE
+_MESSAGE_SHOWN = 200  # characters of a refused message its error quotes
+_dumps = orjson.dumps  # one global lookup per frame, not two
+_isfinite = math.isfinite
+_SEQUENCES = (list, tuple)
+_CONTAINERS = (dict, list, tuple)
+
+
+class NonFiniteNumber(StreamkitError, ValueError):
+    """A message holds NaN or ±Infinity, which JSON can't carry (it would become null)."""
+
+
+def has_non_finite(value: Any) -> bool:
+    """Whether `value` (a JSON-like tree) holds a NaN or infinite float anywhere.
+
+    Run only on the rare frames that contain `null`, but kept lean (no generators or
+    paths) since a message with a None field takes it every time.
+    """
+    if isinstance(value, float):
+        return not _isfinite(value)
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, _SEQUENCES):
+        return False
+    for item in value:
+        if isinstance(item, float):
+            if not _isfinite(item):
+                return True
+        elif isinstance(item, _CONTAINERS) and has_non_finite(item):
+            return True
+    return False
+
+
+def _non_finite_path(value: Any, path: str = "") -> tuple[str, float] | None:
+    """Where `value` holds a NaN or infinite float, e.g. `['a'][2]`, and that float."""
+    if isinstance(value, float):
+        return None if _isfinite(value) else (path, value)
+    if isinstance(value, dict):
+        steps: list[tuple[str, Any]] = [(f"[{key!r}]", item) for key, item in value.items()]
+    elif isinstance(value, _SEQUENCES):
+        steps = [(f"[{index}]", item) for index, item in enumerate(value)]
+    else:
+        return None
+    for step, item in steps:
+        found = _non_finite_path(item, path + step)
+        if found is not None:
+            return found
+    return None
+
+
+def _refuse_non_finite(message: Any, tree: Any) -> None:
+    """Raise NonFiniteNumber if `tree` (`message` as plain data) holds NaN or ±Infinity."""
+    if not has_non_finite(tree):
+        return
+    path, number = _non_finite_path(tree) or ("", float("nan"))
+    shown = repr(message)
+    if len(shown) > _MESSAGE_SHOWN:
+        shown = shown[:_MESSAGE_SHOWN] + "..."
+    raise NonFiniteNumber(
+        f"cannot JSON-encode message{path} = {number!r}: JSON has no NaN or Infinity "
+        f"(it would be published as null); send it as a string or leave it out. "
+        f"The message: {shown}"
+    )
+
+
+def _frame_dict(message: dict[str, Any]) -> bytes:
+    """A dict message's frame: its JSON and a newline (the Publisher's shortest way).
+
+    Only a frame with `null` in it may hide a NaN or ±Infinity orjson wrote as null;
+    ordinary messages pay a substring search, not a Python scan.
+    """
+    frame = _dumps(message, option=_DUMP_OPTIONS)
+    if frame.find(b"null") != -1:  # (`in` is slower: it first tries the needle as an int)
+        _refuse_non_finite(message, message)
+    return frame
 
 
 class JsonLinesFraming:
@@ -50,16 +136,23 @@ class JsonLinesFraming:
 
     content_type = CONTENT_TYPE
     # A dict's frame as bytes, what `encode` appends (the Publisher's shortest way; a
-    # partial, not a method, to save a Python call per message).
-    frame_dict = functools.partial(orjson.dumps, option=_DUMP_OPTIONS)
+    # staticmethod, so that no bound method is made per message).
+    frame_dict = staticmethod(_frame_dict)
 
     def encode(self, message: MessageLike, out: bytearray) -> None:
-        """Append the message's JSON and a newline to `out`."""
+        """Append the message's JSON and a newline to `out`.
+
+        Raises NonFiniteNumber for a NaN or ±Infinity (see the module doc).
+        """
         if isinstance(message, dict):
-            out += orjson.dumps(message, option=_DUMP_OPTIONS)
+            out += _frame_dict(message)
         elif isinstance(message, Message):
             # by_alias so that the default (alias-driven) validation reads it back.
-            out += message.__pydantic_serializer__.to_json(message, by_alias=True)
+            frame = message.__pydantic_serializer__.to_json(message, by_alias=True)
+            if frame.find(b"null") != -1 and message.model_config.get(
+                    "ser_json_inf_nan", "null") == "null":
+                _refuse_non_finite(message, message.model_dump(by_alias=True))
+            out += frame
             out += b"\n"
         elif isinstance(message, ProtoMessage):
             as_dict = json_format.MessageToDict(message, preserving_proto_field_name=True)
