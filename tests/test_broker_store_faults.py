@@ -73,6 +73,14 @@ def _metric(broker: BrokerProcess, name: str, journal: str) -> float:
     return float(match[1]) if match else 0.0
 
 
+def _gauge(broker: BrokerProcess, name: str) -> float:
+    with urllib.request.urlopen(f"{broker.http_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    match = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert match, f"{name} is not exported"
+    return float(match[1])
+
+
 def _lines(broker: BrokerProcess, *words: str) -> list[str]:
     return [line for line in broker.log().splitlines() if all(w in line for w in words)]
 
@@ -199,10 +207,13 @@ def test_a_failing_store_does_not_hold_up_other_journals(
         assert persisted(bad) == 0
         assert len(_lines(broker, "WARNING", f"persisting journal {bad}")) == 1
         assert _metric(broker, failures, good) == 0
+        # The backlog shows (spools waiting on a failing store were counted nowhere).
+        assert _gauge(broker, "streamkit_broker_unpersisted_spools") == 4
 
         # Once the store works again, the parked spools follow, with one INFO line.
         _heal(kind, bad_url, fragment_root)
         wire.wait_until(lambda: persisted(bad) == 4, timeout=20)
+        wire.wait_until(lambda: _gauge(broker, "streamkit_broker_unpersisted_spools") == 0)
         assert len(_lines(broker, "INFO", f"persisting journal {bad} works again")) == 1
         content, _ = wire.read(journals, bad, offset=0, end=6000)
         assert content == b"b" * 6000

@@ -143,6 +143,17 @@ def test_a_reader_leaving_is_no_error_and_a_fragment_that_wont_open_is_a_503(tmp
                 sock.sendall(request.encode())
                 assert sock.recv(1000).startswith(b"HTTP/1.1 206")
         wire.wait_until(lambda: "the client went away" in broker.log())
+        # HTTP reads count among the reads open while served (they never did), and no more.
+        def reads_open() -> bytes:
+            return _http("GET", f"{broker.http_url}/metrics")[2].split(
+                b"\nstreamkit_broker_reads_open ")[1].split(b"\n")[0]
+
+        wire.wait_until(lambda: reads_open() == b"0.0")  # the readers that left: ended
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(f"GET /{name}?offset=-1&block=true HTTP/1.1\r\n"
+                         f"Host: {host}:{port}\r\n\r\n".encode())
+            wire.wait_until(lambda: reads_open() == b"1.0")
+        wire.wait_until(lambda: reads_open() == b"0.0")
 
         persisted = wire.wait_until(lambda: [f for f in wire.fragments(journals, name)
                                              if f.backing_store])

@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from streamkit.auth.scope import journal_allowed
 from streamkit.auth.settings import Security, body_too_large
 from streamkit.auth.tokens import Capability
+from streamkit.broker import metrics
 from streamkit.broker.appends import append, refusal
 from streamkit.broker.faults import JournalFault
 from streamkit.broker.journals import JournalRegistry
@@ -41,8 +42,10 @@ from streamkit.broker.service import (
 from streamkit.errors import StreamkitError
 from streamkit.protocol import pb
 from streamkit.protocol.fragments import content_name, digest_of, fragment_url
+from streamkit.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
+_CLIENT_CHECK = 1.0  # seconds between checks that a reader waiting at the head is still there
 
 _STATUS_HTTP = {
     pb.JOURNAL_NOT_FOUND: 404,
@@ -146,10 +149,24 @@ class HttpGateway:
         return journal, replica
 
     async def read(self, request: web.Request) -> web.StreamResponse:
+        metrics.READS_OPEN.inc()
+        reading = asyncio.ensure_future(self._read(request))
         try:
-            return await self._read(request)
+            # aiohttp leaves a handler running when its client leaves: a read waiting at
+            # the head for content would wait for ever. Reads are safe to cancel.
+            while not (await asyncio.wait({reading}, timeout=_CLIENT_CHECK))[0]:
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    await cancel_and_wait(reading, "an HTTP read")
+                    log.info("GET %s: the client went away", request.path)
+                    return web.Response(status=400)  # (no one reads it)
+            return reading.result()
         except JournalFault as fault:
             return _error(fault.http_status, str(fault))
+        finally:
+            if not reading.done():
+                reading.cancel()
+            metrics.READS_OPEN.dec()
 
     async def _read(self, request: web.Request) -> web.StreamResponse:
         journal, replica = await self._replica(request)

@@ -7,13 +7,18 @@ APPEND_BYTES = Counter("streamkit_broker_append_bytes_total", "Bytes committed",
 APPEND_FAILURES = Counter(
     "streamkit_broker_append_failures_total", "Appends answered with a non-OK status", ["status"]
 )
-READS_OPEN = Gauge("streamkit_broker_reads_open", "Read streams being served")
+READS_OPEN = Gauge("streamkit_broker_reads_open", "Read streams being served (gRPC and HTTP)")
 READ_BYTES = Counter("streamkit_broker_read_bytes_total", "Content bytes sent to readers")
 FRAGMENTS_PERSISTED = Counter(
     "streamkit_broker_fragments_persisted_total", "Fragments persisted to stores"
 )
 BYTES_PERSISTED = Counter(
     "streamkit_broker_persisted_bytes_total", "Uncompressed bytes persisted to stores"
+)
+UNPERSISTED = Gauge(
+    "streamkit_broker_unpersisted_spools",
+    "Rolled spools not yet in their store (queued, being persisted, or waiting on a store "
+    "that fails): a number that only grows means a store is out of reach",
 )
 PERSIST_FAILURES = Counter(
     "streamkit_broker_persist_failures_total", "Failed attempts to persist a fragment", ["journal"]

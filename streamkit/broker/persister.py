@@ -105,6 +105,7 @@ class Persister:
         if not replica.stores:
             return  # no store: the spool stays local and readable
         self._pending += 1
+        metrics.UNPERSISTED.set(self._pending)
         self._idle.clear()
         self._queue.put_nowait((replica, spool))
 
@@ -182,6 +183,7 @@ class Persister:
     def _finish(self, item: _Item, persisted: bool) -> None:
         """Account for a spool leaving the persister; a good probe frees its journal's spools."""
         self._pending -= 1
+        metrics.UNPERSISTED.set(self._pending)
         if self._pending == 0:
             self._idle.set()
         journal = item[0].name
