@@ -142,6 +142,69 @@ def test_apply_dry_run_create_round_trip_and_stale(shared_broker: BrokerProcess,
     assert f"{p}raw" not in ok(shared_broker, "list", "-l", f"prefix={p}")
 
 
+def test_apply_in_batches_names_what_was_applied_when_one_fails(
+        shared_broker: BrokerProcess, tmp_path: Path) -> None:
+    """The broker refuses the third of four changes applied one per transaction: the
+    error said only the broker's "changes[0]", not that two journals were created."""
+    p = prefix()
+    text = (f"name: {p}\nfragment: {{length: 1024, compression_codec: NONE}}\nchildren:\n"
+            f"  - name: {p}a\n  - name: {p}b\n  - name: {p}c\n    replication: 2\n"
+            f"  - name: {p}d\n")
+    specs = spec_file(tmp_path, text)
+    err = fails(shared_broker, "apply", "--specs", specs, "--max-txn-size", "1", code=2)
+    assert f"applying create {p}c failed: the broker rejected the request: " in err, err
+    assert f"applied 2 of 4 changes: create {p}a, create {p}b\n" in err, err
+    assert f"not applied: create {p}c, create {p}d\n" in err, err
+    listed = ok(shared_broker, "list", "-l", f"prefix={p}").splitlines()[1:]
+    assert [row.split()[0] for row in listed] == [f"{p}a", f"{p}b"]
+
+    # The same file again: the journals created are unchanged, and nothing else applies.
+    err = fails(shared_broker, "apply", "--specs", specs, "--max-txn-size", "1", code=2)
+    assert f"applying create {p}c failed" in err and "nothing was applied" in err, err
+    specs = spec_file(tmp_path, text.replace("replication: 2", "replication: 1"))
+    out = ok(shared_broker, "apply", "--specs", specs, "--max-txn-size", "1")
+    assert "2 created, 0 updated, 0 deleted, 2 unchanged" in out, out
+
+
+async def test_apply_in_batches_names_a_conflict_in_a_later_batch(
+        shared_broker: BrokerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another apply of the same file creates a journal between two transactions of this
+    one: the error names it, what was applied and what was not, and applying again is done.
+    (It said only that journals changed: not that three updates were applied.)"""
+    from streamkit.cli import journal_apply
+    from streamkit.client import BrokerClient, listing
+
+    p = prefix()
+    ok(shared_broker, "apply", "--specs", spec_file(tmp_path, TREE.format(p=p)))
+    listed = ok(shared_broker, "list", "-l", f"prefix={p}", "-o", "yaml")
+    edited = yaml.safe_dump([yaml.safe_load(listed.replace("length: 1024", "length: 2048")),
+                             {"name": f"{p}new", "fragment": {"length": 1024}}])
+    entries = load_specs(edited)
+    real, calls = listing.apply_journals, []
+
+    async def racing(client: BrokerClient, changes: list[pb.ApplyRequest.Change]) -> object:
+        calls.append([c.upsert.name for c in changes])
+        if len(calls) == 2:  # the other apply creates the same journal first
+            await real(client, [pb.ApplyRequest.Change(
+                expect_mod_revision=0, upsert=next(e for e in entries
+                                                   if e.spec.name == f"{p}new").spec.to_proto())])
+        return await real(client, changes)
+
+    monkeypatch.setattr(listing, "apply_journals", racing)
+    async with BrokerClient(shared_broker.address) as client:
+        with pytest.raises(CliError) as failed:
+            await journal_apply.apply_specs(client, entries, dry_run=False, upsert=False,
+                                            max_txn_size=3)
+    message = str(failed.value)
+    assert calls == [[f"{p}logs/a", f"{p}logs/b", f"{p}raw"], [f"{p}new"]]
+    assert "ETCD_TRANSACTION_FAILED" in message and "changed since" not in message, message
+    assert (f"applied 3 of 4 changes: update {p}logs/a, update {p}logs/b, update {p}raw\n"
+            f"not applied: create {p}new\n") in message, message
+    monkeypatch.undo()
+    out = ok(shared_broker, "apply", "--specs", "-", "--max-txn-size", "3", input=edited)
+    assert "0 created, 0 updated, 0 deleted, 4 unchanged" in out, out
+
+
 def test_broker_address_from_gazctls_variable(shared_broker: BrokerProcess) -> None:
     """Without --broker: $STREAMKIT_BROKER, else gazctl's $BROKER_ADDRESS (any address form)."""
     name = prefix() + "env"
@@ -236,6 +299,68 @@ def test_append_lines_spread_over_journals(shared_broker: BrokerProcess,
     err = fails(shared_broker, "append", "-l", selector, "-f", "lines", "-m", "direct",
                 input="elsewhere/x\ty\n", code=2)
     assert "input line 1" in err
+
+
+def _topic(broker: BrokerProcess, count: int, **spec: object) -> tuple[str, list[str]]:
+    """A selector and the sorted names of `count` new journals it matches."""
+    topic = f"cli-{uuid.uuid4().hex[:10]}"
+    names = [f"{topic}/part-{i:02d}" for i in range(count)]
+    wire.create(wire.stub(broker.address),
+                *(wire.spec(n, labels={"topic": topic}, **spec) for n in names))
+    return f"topic={topic}", names
+
+
+@pytest.mark.parametrize(("mapping", "given"), [("modulo", True), ("direct", True),
+                                                ("random", False)])
+def test_a_failed_line_append_accounts_exactly_for_what_was_appended(
+        tmp_path: Path, mapping: str, given: bool) -> None:
+    """The broker's disk fills part-way: the error said only the broker's, so an operator
+    could not tell what to append again. It says how many lines were appended (by journal),
+    and --unpublished gets the rest, whose append then completes the input exactly once."""
+    broker = BrokerProcess(tmp_path / "broker", fsize_limit=256 << 10).start()
+    try:
+        selector, names = _topic(broker, 3)
+        records = [json.dumps({"n": n, "pad": "x" * 24}) for n in range(20000)]
+        lines = ([f"{names[n % 3]}\t{r}" for n, r in enumerate(records)]
+                 if mapping == "direct" else records)
+        rest = tmp_path / "rest.txt"
+        args = ["append", "-l", selector, "-f", "lines", "-m", mapping]
+        more = ["--unpublished", str(rest)] if given else []
+        err = fails(broker, *args, *more, input="\n".join(lines) + "\n", code=1)
+        assert len(err.strip().splitlines()) == 1, err
+        assert "RESOURCE_EXHAUSTED" in err and " lines read were appended, " in err, err
+        assert "(appended to " in err and " of its " in err, err
+        if not given:
+            assert "would append the appended ones twice" in err, err
+            return
+        assert f"are in {rest}: append it with the same options to finish" in err, err
+        broker.kill()
+        broker.fsize_limit = None
+        broker.start()
+        ok(broker, *args, "-i", str(rest))
+        stub = wire.stub(broker.address)
+        landed = Counter(line for name in names
+                         for line in wire.read(stub, name)[0].decode().splitlines())
+        assert landed == Counter(records)
+        if mapping == "direct":
+            for name in names:
+                numbers = [json.loads(r)["n"] for r in wire.read(stub, name)[0].splitlines()]
+                assert all(names[n % 3] == name for n in numbers)
+    finally:
+        broker.kill()
+
+
+def test_a_failed_raw_append_says_nothing_was_appended(shared_broker: BrokerProcess,
+                                                       tmp_path: Path) -> None:
+    """A raw append commits whole or not at all: the error said only the broker's answer."""
+    _, (name,) = _topic(shared_broker, 1, flags=pb.JournalSpec.O_RDONLY)
+    err = fails(shared_broker, "append", name, input=b"whole", code=1)
+    assert "NOT_ALLOWED" in err and f"nothing was appended to {name}" in err, err
+    rest = tmp_path / "rest.bin"
+    err = fails(shared_broker, "append", name, "--unpublished", str(rest), input=b"whole",
+                code=1)
+    assert f"the input is in {rest}: append it to finish" in err, err
+    assert rest.read_bytes() == b"whole"
 
 
 def _noise(size: int) -> bytes:

@@ -5,21 +5,24 @@ the journal the user edited (0: "I am creating it", -1: "don't check"). The
 plan is computed client-side so that a dry run can show it and so that a
 stale revision is reported by journal name before anything is written.
 The broker still checks every revision again in one transaction: whatever
-changed between our listing and the Apply fails it as a whole.
+changed between our listing and the Apply fails it as a whole. With
+--max-txn-size the changes go in several transactions, and those before a
+failing one stay applied: the error names the changes applied and those not,
+and applying the same file again does the rest (what was applied now matches
+the file, so it is unchanged).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 
-from streamkit.cli.errors import DATA_ERROR, FAILURE, CliError
+from streamkit.cli.errors import DATA_ERROR, FAILURE, CliError, explain
 from streamkit.cli.inputs import read_text_input
-from streamkit.client import BrokerClient, EtcdTransactionFailed, list_journals
-from streamkit.client.listing import apply_journals_in_batches
+from streamkit.client import BrokerClient, EtcdTransactionFailed, list_journals, listing
 from streamkit.protocol import pb
 from streamkit.protocol.spec import JournalSpec
 from streamkit.protocol.spec_tree import SpecEntry, load_specs
@@ -162,12 +165,55 @@ async def _current(client: BrokerClient) -> dict[str, pb.ListResponse.Journal]:
 
 async def _explain_conflict(
     client: BrokerClient, entries: list[SpecEntry], upsert: bool
-) -> NoReturn:
+) -> str:
     """The broker refused a revision: list again to name the journals that moved."""
-    plan_changes(entries, await _current(client), upsert=upsert)  # raises naming them
-    raise CliError(
-        f"journals changed while applying (ETCD_TRANSACTION_FAILED); {_RELIST_HINT}"
-    )
+    try:
+        plan_changes(entries, await _current(client), upsert=upsert)
+    except CliError as stale:
+        return "; ".join(str(stale).splitlines())
+    return ("journals changed while applying (ETCD_TRANSACTION_FAILED), into what the file "
+            "says: applying it again checks afresh")
+
+
+def _named(actions: list[Action]) -> str:
+    return ", ".join(f"{action.verb} {action.name}" for action in actions)
+
+
+async def _apply_batches(
+    client: BrokerClient, entries: list[SpecEntry], actions: list[Action], *, upsert: bool,
+    max_txn_size: int,
+) -> None:
+    """Apply the changes in transactions of at most `max_txn_size` (0: one), in order.
+
+    Batches before a failing one stay applied, so the error names what was applied and
+    what was not: the changes applied show as unchanged when the same file is applied
+    again, which then does the rest.
+    """
+    pending = [action for action in actions if action.change is not None]
+    size = max_txn_size if max_txn_size > 0 else len(pending)
+    for start in range(0, len(pending), size):
+        batch = pending[start : start + size]
+        try:
+            await listing.apply_journals(client, [action.change for action in batch])
+        except Exception as err:
+            if isinstance(err, EtcdTransactionFailed):
+                left = {action.name for action in pending[start:]}
+                what, code = await _explain_conflict(
+                    client, [e for e in entries if e.spec.name in left], upsert), FAILURE
+            else:
+                lines, code = explain(err)  # (raises `err` itself if it is no failure explained)
+                what = "; ".join(lines)
+            # (The broker's changes[i] counts from the start of the batch named; a stale
+            # revision is named already.)
+            stale = isinstance(err, EtcdTransactionFailed)
+            failed = what if stale else f"applying {_named(batch)} failed: {what}"
+            if start == 0:
+                raise CliError(f"{failed}\nnothing was applied", code) from None
+            raise CliError(
+                f"{failed}\napplied {start} of {len(pending)} changes: {_named(pending[:start])}"
+                f"\nnot applied: {_named(pending[start:])}\napplying the same file again "
+                "applies the rest (the changes applied show as unchanged)", code,
+            ) from None
 
 
 def read_spec_file(path: str) -> list[SpecEntry]:
@@ -189,10 +235,7 @@ async def apply_specs(
     actions = plan_changes(entries, current, upsert=upsert)
     changes = [action.change for action in actions if action.change is not None]
     if changes and not dry_run:
-        try:
-            await apply_journals_in_batches(client, changes, max_txn_size)
-        except EtcdTransactionFailed:
-            await _explain_conflict(client, entries, upsert)
+        await _apply_batches(client, entries, actions, upsert=upsert, max_txn_size=max_txn_size)
         current = await _current(client)  # for the new revisions
     _echo_actions(actions, None if dry_run else current)
     click.echo(_summary(actions, dry_run=dry_run) if actions else "no journals in the file")

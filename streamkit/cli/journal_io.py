@@ -1,9 +1,12 @@
 """`journals append` and `journals read`: moving bytes between stdio and journals.
 
 Appends come in two framings. With "none" the whole input is one append: it
-becomes visible atomically or not at all. With "lines" every line is a
-record that lands whole in exactly one journal, chosen by a mapping; lines
-are batched through an AppendService, so many lines share one RPC.
+becomes visible atomically or not at all, and a failure says which. With
+"lines" every line is a record that lands whole in exactly one journal,
+chosen by a mapping; lines are batched through an AppendService, so many
+lines share one RPC, and appends to different journals fail apart: a
+failure then accounts for the lines appended and (with --unpublished) writes
+the others, as `publish` does.
 
 Reads copy journal content to stdout as it arrives. Broker chunks don't
 respect record boundaries, so for line-oriented journals (by their
@@ -34,17 +37,18 @@ from google.protobuf import json_format
 from google.protobuf.message import Message as ProtoMessage
 from pydantic import BaseModel
 
-from streamkit.cli.errors import DATA_ERROR, CliError, warn
+from streamkit.cli.errors import DATA_ERROR, CliError, explain, warn
 from streamkit.cli.output import plural
+from streamkit.cli.unsettled import AppendFailed, Unsettled, describe
 from streamkit.client import (
     AppendService,
     BrokerClient,
     OffsetJump,
     OffsetNotYetAvailable,
-    OpFuture,
     RetryReader,
 )
 from streamkit.client.appender import CHUNK_SIZE, append_with_retries
+from streamkit.client.errors import BrokerError, TransportError
 from streamkit.client.reader import read_write_head
 from streamkit.message.framing import UnknownFraming
 from streamkit.message.message import MessageLike
@@ -76,11 +80,37 @@ def _chunks(source: IO[bytes]) -> Iterator[bytes]:
         yield chunk
 
 
-async def _append_file(client: BrokerClient, journal: str, source: IO[bytes]) -> None:
+# Failures of an append that leave open whether the broker committed it.
+_UNSURE_CODES = ("UNKNOWN", "INTERNAL", "DEADLINE_EXCEEDED", "CANCELLED", "DATA_LOSS")
+
+
+def _raw_failure(err: Exception, journal: str, source: IO[bytes],
+                 unappended: IO[bytes] | None) -> CliError:
+    """The error of a failed raw append, saying whether the input was appended: an append
+    commits whole or not at all, and one the broker refused did not commit."""
+    lines, code = explain(err)  # (raises `err` itself if it is no failure explained)
+    if isinstance(err, BrokerError) or (
+            isinstance(err, TransportError) and err.code not in _UNSURE_CODES):
+        said = f"nothing was appended to {journal} (an append commits whole or not at all)"
+        if unappended is not None:
+            source.seek(0)
+            shutil.copyfileobj(source, unappended, CHUNK_SIZE)
+            said += f"; the input is in {unappended.name}: append it to finish"
+    else:
+        said = (f"whether the input was appended to {journal} is unknown (all of it or none): "
+                "check the journal (journals read) before appending again")
+    return CliError(f"{'; '.join(lines)}; {said}", code)
+
+
+async def _append_file(client: BrokerClient, journal: str, source: IO[bytes],
+                       unappended: IO[bytes] | None) -> None:
     if source.seek(0, os.SEEK_END) == 0:
         warn(f"nothing to append to {journal}: the input is empty")
         return
-    response = await append_with_retries(client, journal, lambda: _chunks(source))
+    try:
+        response = await append_with_retries(client, journal, lambda: _chunks(source))
+    except Exception as err:
+        raise _raw_failure(err, journal, source, unappended) from None
     commit = response.commit
     click.echo(
         f"appended {plural(commit.end - commit.begin, 'byte')} to {journal} "
@@ -89,19 +119,22 @@ async def _append_file(client: BrokerClient, journal: str, source: IO[bytes]) ->
     )
 
 
-async def append_raw(client: BrokerClient, journal: str, source: IO[bytes]) -> None:
+async def append_raw(client: BrokerClient, journal: str, source: IO[bytes],
+                     unappended: IO[bytes] | None = None) -> None:
     """Append all of `source` to `journal` as one transaction; report it on stderr.
 
     Input that can't be re-read (stdin, pipes) is copied to a temporary file
     first: a retried append sends its content again, and reading everything
     before the RPC starts keeps a slow producer from holding the append open.
+    If the append fails, the error says whether it committed, and `unappended`
+    gets the input when it did not.
     """
     if source.seekable():
-        await _append_file(client, journal, source)
+        await _append_file(client, journal, source, unappended)
         return
     with tempfile.TemporaryFile() as copy:
         shutil.copyfileobj(source, copy, CHUNK_SIZE)
-        await _append_file(client, journal, copy)
+        await _append_file(client, journal, copy, unappended)
 
 
 def _direct(journals: list[str]) -> Mapper:
@@ -154,34 +187,50 @@ class _Tally:
     bytes: int = 0
 
 
-def _raise_failure(future: OpFuture) -> None:
-    """Stop at once when a journal's appends failed (later ones fail the same way)."""
-    if future.done() and (error := future.exception()) is not None:
-        raise error
-
-
 async def append_lines(
-    client: BrokerClient, journals: list[str], source: IO[bytes], mapping: str
+    client: BrokerClient, journals: list[str], source: IO[bytes], mapping: str,
+    unappended: IO[bytes] | None = None,
 ) -> None:
-    """Append each input line to one of `journals`; report the tally per journal on stderr."""
+    """Append each input line to one of `journals`; report the tally per journal on stderr.
+
+    A failed append stops the command with an exact account, as `publish` gives: how many
+    of the lines read were appended (by journal, for those short), and (written to
+    `unappended`, then the input not read) the lines that were not, in input order, so
+    that appending that file with the same options appends each line once.
+    """
     mapper = make_mapping(mapping, journals)
     tallies: dict[str, _Tally] = {}
-    last: dict[str, OpFuture] = {}  # a journal's appends commit in order: the last stands for all
+    unsettled = Unsettled()  # a journal's appends commit in order, but journals fail apart
+    lines = _lines(source)
+    number, rest = 0, []
     async with AppendService(client) as service:
-        number = 0
-        async for line in _lines(source):
-            number += 1
-            try:
-                journal, record = mapper(line)
-            except ValueError as err:
-                raise CliError(f"input line {number}: {err}", DATA_ERROR) from None
-            last[journal] = future = await service.append(journal, record)
-            _raise_failure(future)
-            tally = tallies.setdefault(journal, _Tally())
-            tally.lines += 1
-            tally.bytes += len(record)
-    for future in last.values():
-        await future
+        try:
+            async for line in lines:
+                number += 1
+                try:
+                    journal, record = mapper(line)
+                except ValueError as err:
+                    # An append that failed before this line is the one reported, and this
+                    # line is among those to append again; otherwise this line is.
+                    rest, number = [line], number - 1
+                    await unsettled.settle()
+                    done = sum(tally.lines for tally in tallies.values())
+                    raise CliError(
+                        f"input line {number + 1}: {err} (stopped there; the "
+                        f"{plural(done, 'line')} before it {'was' if done == 1 else 'were'} "
+                        "appended)", DATA_ERROR,
+                    ) from None
+                future = await service.append(journal, record)
+                unsettled.add(future, number, line, journal)
+                tally = tallies.setdefault(journal, _Tally())
+                tally.lines += 1
+                tally.bytes += len(record)
+                if future.done() and future.exception() is not None:
+                    raise AppendFailed from future.exception()  # later ones would fail too
+            await unsettled.settle()
+        except AppendFailed as failure:
+            await _report_failure(failure.__cause__, unsettled, tallies, number, rest, lines,
+                                  unappended)
     for journal, tally in sorted(tallies.items()):
         click.echo(
             f"appended {plural(tally.lines, 'line')} ({plural(tally.bytes, 'byte')}) to {journal}",
@@ -189,6 +238,34 @@ async def append_lines(
         )
     if not tallies:
         warn("nothing appended: the input is empty")
+
+
+async def _report_failure(cause: BaseException | None, unsettled: Unsettled,
+                          tallies: dict[str, _Tally], read: int, rest: list[bytes],
+                          lines: AsyncIterator[bytes], unappended: IO[bytes] | None) -> None:
+    """Raise the CliError of a failed append: what committed, and what to append again."""
+    failed = await unsettled.failed()
+    short = await unsettled.failed_by_journal()
+    total = sum(tally.lines for tally in tallies.values())
+    by_journal = "; ".join(f"to {journal}: {tallies[journal].lines - count:,} of its "
+                           f"{tallies[journal].lines:,}"
+                           for journal, count in sorted(short.items()))
+    account = (f"{total - len(failed):,} of the {total:,} lines read were appended, "
+               f"{len(failed):,} were not (appended {by_journal})")
+    if unappended is None:
+        hint = ("; appending the same input again would append the appended ones twice "
+                "(--unpublished FILE writes the lines not appended, and the rest of the "
+                "input, to append once)")
+    else:
+        for _, line in failed:
+            unappended.write(line)
+        for line in rest:
+            unappended.write(line)
+        async for line in lines:
+            unappended.write(line)
+        hint = (f"; those, and the input after line {read:,}, are in {unappended.name}: "
+                "append it with the same options to finish")
+    raise CliError(f"{describe(cause)}; {account}{hint}")
 
 
 # --- read -----------------------------------------------------------------------

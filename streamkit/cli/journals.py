@@ -10,6 +10,7 @@ themselves are thin: the work lives in the journal_* modules next to this one.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -20,13 +21,14 @@ from typing import IO, Any, TypeVar
 import click
 
 from streamkit.auth.settings import Security
-from streamkit.cli.errors import DATA_ERROR, CliError, async_command
+from streamkit.cli.errors import DATA_ERROR, CliError, async_command, warn
 from streamkit.cli.journal_apply import apply_specs, read_spec_file
 from streamkit.cli.journal_fragments import fragment_rows, print_fragments, prune_journals
 from streamkit.cli.journal_io import MAPPINGS, append_lines, append_raw, load_offsets
 from streamkit.cli.journal_io import read_journals as copy_journals
 from streamkit.cli.output import FORMATS, echo_json, echo_table, format_labels, format_size
 from streamkit.cli.security_options import security_options
+from streamkit.cli.unsettled import opened_output
 from streamkit.client import BrokerClient, list_journals
 from streamkit.client.environment import BROKER_ENV, DEFAULT_ADDRESS
 from streamkit.protocol import pb
@@ -205,7 +207,9 @@ async def apply_cmd(specs_path: str, dry_run: bool, upsert: bool, max_txn_size: 
 
     A node's revision is the journal's mod revision the file was edited from:
     0 creates the journal, -1 skips the check. If a journal changed since, the
-    whole apply fails and nothing is written.
+    whole apply fails and nothing is written. With --max-txn-size, transactions
+    before a failing one stay applied: the error names what was and wasn't, and
+    applying the same file again does the rest.
     """
     entries = read_spec_file(specs_path)
     async with BrokerClient(broker, security) as client:
@@ -239,26 +243,45 @@ def opened_input(path: str) -> Iterator[IO[bytes]]:
               show_default=True,
               help="With lines: random spreads lines over the selected journals; modulo "
                    "hashes each line to a journal; direct reads lines as JOURNAL<TAB>RECORD.")
+@click.option("--unpublished", "unpublished_path", default=None, metavar="FILE",
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="If an append fails, write the input not appended to FILE (with lines: "
+                   "the lines not appended, then the input not read yet): appending it with "
+                   "the same options then finishes the job exactly once.")
 @broker_option
 @security_options()
 @async_command()
 async def append_cmd(journal: str | None, selector: str | None, input_path: str, framing: str,
-                     mapping: str, broker: str, security: Security) -> None:
-    """Append stdin (or a file) to journals. A summary goes to stderr."""
-    async with BrokerClient(broker, security) as client:
-        names = [j.spec.name for j in await resolve_journals(client, journal, selector)]
-        if framing == "none" and len(names) != 1:
-            raise CliError(
-                f"framing 'none' appends to exactly one journal, but the selector matches "
-                f"{len(names)} ({', '.join(names[:5])}{', …' if len(names) > 5 else ''}); "
-                "use --framing lines to spread lines over them",
-                DATA_ERROR,
-            )
-        with opened_input(input_path) as source:
-            if framing == "lines":
-                await append_lines(client, names, source, mapping)
-            else:
-                await append_raw(client, names[0], source)
+                     mapping: str, unpublished_path: Path | None, broker: str,
+                     security: Security) -> None:
+    """Append stdin (or a file) to journals. A summary goes to stderr.
+
+    If an append fails, the error says exactly what was appended: with lines,
+    how many of the lines read (by journal, for those short).
+    """
+    with opened_input(input_path) as source, opened_output(unpublished_path) as unappended:
+        appending = False
+        try:
+            async with BrokerClient(broker, security) as client:
+                names = [j.spec.name for j in await resolve_journals(client, journal, selector)]
+                if framing == "none" and len(names) != 1:
+                    raise CliError(
+                        f"framing 'none' appends to exactly one journal, but the selector "
+                        f"matches {len(names)} ({', '.join(names[:5])}"
+                        f"{', …' if len(names) > 5 else ''}); use --framing lines to spread "
+                        "lines over them",
+                        DATA_ERROR,
+                    )
+                appending = True
+                if framing == "lines":
+                    await append_lines(client, names, source, mapping, unappended)
+                else:
+                    await append_raw(client, names[0], source, unappended)
+        except Exception:
+            if unappended is not None and not appending:  # (a broker out of reach, say)
+                shutil.copyfileobj(source, unappended)
+                warn(f"nothing was appended; the input is in {unappended.name}")
+            raise
 
 
 @journals.command("read")

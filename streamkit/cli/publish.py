@@ -23,11 +23,10 @@ completes the job, each line once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import shutil
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -39,7 +38,10 @@ from streamkit.cli.errors import DATA_ERROR, CliError, async_command, explain, w
 from streamkit.cli.journals import broker_option, opened_input
 from streamkit.cli.output import plural
 from streamkit.cli.security_options import security_options
-from streamkit.client import AppendService, BrokerClient, OpFuture, PolledList
+from streamkit.cli.unsettled import AppendFailed as _AppendFailed
+from streamkit.cli.unsettled import Unsettled as _Unsettled
+from streamkit.cli.unsettled import opened_output as _opened_output
+from streamkit.client import AppendService, BrokerClient, PolledList
 from streamkit.message.framing import UnknownFraming, content_type_of, framing_for
 from streamkit.message.mapping import (
     EmptyPartitions,
@@ -127,48 +129,6 @@ def _check_journals(polled: PolledList, selector: str) -> None:
             ) from None
 
 
-class _Unsettled:
-    """The input lines of appends not known to have committed yet, by append (appends
-    batch many lines under one OpFuture): what a failed append leaves to publish again.
-    Appends that committed are forgotten as the command goes, so this holds only the
-    lines in flight."""
-
-    _SWEEP = 256  # appends held before forgetting the committed ones
-
-    def __init__(self) -> None:
-        self.lines: dict[OpFuture, list[tuple[int, bytes]]] = {}
-
-    def add(self, future: OpFuture, number: int, line: bytes) -> None:
-        held = self.lines.get(future)
-        if held is None:
-            if len(self.lines) >= self._SWEEP:
-                self.lines = {f: held for f, held in self.lines.items() if not f.succeeded()}
-            held = self.lines[future] = []
-        held.append((number, line))
-
-    async def _wait(self) -> None:
-        for future in self.lines:
-            await future.wait()
-
-    async def settle(self) -> None:
-        """Wait for every append; raise _AppendFailed (from the first failure) if one
-        failed."""
-        await self._wait()
-        failure = next((f.exception() for f in self.lines if not f.succeeded()), None)
-        if failure is not None:
-            raise _AppendFailed from failure
-
-    async def failed(self) -> list[tuple[int, bytes]]:
-        """Once every append settled, the lines of those that failed, in input order."""
-        await self._wait()
-        return sorted(item for future, held in self.lines.items() if not future.succeeded()
-                      for item in held)
-
-
-class _AppendFailed(Exception):
-    """An append of the publish failed (its error is the cause)."""
-
-
 async def _progress(tally: Counter[str], started: float) -> None:
     while True:
         await asyncio.sleep(_PROGRESS_EVERY)
@@ -251,20 +211,6 @@ def _keep_all(source: IO[bytes], unpublished: IO[bytes]) -> None:
     """Nothing was published: the whole input is what is left to publish."""
     shutil.copyfileobj(source, unpublished)
     warn(f"nothing was published; the input is in {unpublished.name}")
-
-
-@contextlib.contextmanager
-def _opened_output(path: Path | None) -> Iterator[IO[bytes] | None]:
-    """`path` opened for writing now (a bad one is said before publishing anything)."""
-    if path is None:
-        yield None
-        return
-    try:
-        output = path.open("wb")
-    except OSError as err:
-        raise CliError(f"--unpublished {path}: {err.strerror or err}", DATA_ERROR) from None
-    with output:
-        yield output
 
 
 @click.command("publish")
