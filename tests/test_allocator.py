@@ -39,7 +39,7 @@ from streamkit.app.assignment import (
 from streamkit.app.solver import Placement, moves, placement_of, solve
 from streamkit.keyspace import Delete, KeyValue, Put, SQLiteKeySpace
 from streamkit.protocol import consumer_pb
-from tests.waiting import DEADLINE
+from tests.waiting import DEADLINE, eventually
 
 REPO = Path(__file__).resolve().parent.parent
 ROOT = "/gazette/consumers/test"
@@ -852,3 +852,19 @@ async def test_shard_limit_is_respected(ks: SQLiteKeySpace, tmp_path: Path) -> N
         state = await wait(a, lambda s: all(s.primary_of(i) for i in items))
         assert len(state.assignments_of_member(A)) == 1
         assert len(state.assignments_of_member(B)) == 5
+
+
+async def test_a_second_member_of_the_same_name_waits_saying_why(
+        ks: SQLiteKeySpace, caplog: pytest.LogCaptureFixture) -> None:
+    """A member started under the name of one that runs waits for its key; it said only
+    that the key "exists", not that the other member holds it, nor what to do."""
+    name = MemberId("zone", "twice")
+    async with Allocator(ks, ROOT, name, lease_ttl=5.0):
+        second = Allocator(ks, ROOT, name, lease_ttl=5.0)
+        starting = asyncio.create_task(second.start())
+        await eventually(lambda: any("give this one another --suffix" in r.getMessage()
+                                     for r in caplog.records), 10, "the warning")
+        assert not starting.done()
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting

@@ -507,7 +507,10 @@ class Allocator:
             if await self._revoke_dead_predecessor():
                 continue
             if not warned:
-                log.warning("member key %s exists; waiting for it to expire", self.key)
+                log.warning("member %s: its key %s is held by a live process (another "
+                            "member of this name, or this one's previous run while its lease "
+                            "lasts); waiting for it to go: if that member goes on running, "
+                            "give this one another --suffix", self.member, self.key)
                 warned = True
             await asyncio.sleep(min(0.1, self.lease_ttl / 4))
             if not await self.keyspace.keepalive(self.lease):
