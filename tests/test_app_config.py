@@ -263,14 +263,19 @@ def test_store_shorthand_and_sql_url(tmp_path: Path) -> None:
     assert no_url.sql_url() == f"sqlite:///{tmp_path.resolve()}/.streamkit/store.sqlite"
 
 
-def test_yaml_syntax_error_names_the_line(tmp_path: Path,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    text = "name: wordcount\nsources:\n  - topic: [lines\n"
+def _yaml_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str) -> str:
+    """The one line of the ConfigError of an app whose streamkit.yaml is `text`."""
     write_app(tmp_path, text=text)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError) as caught:
         load_config(".")
     (line,) = str(caught.value).splitlines()
+    return line
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    line = _yaml_error(tmp_path, monkeypatch, "name: wordcount\nsources:\n  - topic: [lines\n")
     assert line.startswith("streamkit.yaml: invalid YAML: line 4, column 1:"), line
 
 
@@ -278,11 +283,7 @@ def test_a_key_given_twice_is_refused_with_both_lines(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The last of two `shards:` used to win silently; exit 2 like other config errors."""
     text = "name: wordcount\napplication: app:WordCount\nshards: 4\nstandbys: 0\nshards: 2\n"
-    write_app(tmp_path, text=text)
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError) as caught:
-        load_config(".")
-    (line,) = str(caught.value).splitlines()
+    line = _yaml_error(tmp_path, monkeypatch, text)
     assert line == ("streamkit.yaml: invalid YAML: line 5, column 1: "
                     "key 'shards' given twice (first on line 3)"), line
 
