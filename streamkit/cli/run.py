@@ -540,9 +540,11 @@ def _lock_app(app_dir: Path, data_dir: Path, broker: str) -> ProcessLock:
                    "[default: --host, or the machine's name when it is 0.0.0.0].")
 @click.option("--log-level", default="INFO", show_default=True, envvar="STREAMKIT_LOG_LEVEL",
               type=click.Choice(_LEVELS, case_sensitive=False), help="Log level.")
-@click.option("--expect-members", type=click.IntRange(1, 64), default=1, hidden=True,
-              help="Members started together (run's workers): the first assignment waits "
-                   "for them (at most 10 s).")
+@click.option("--expect-members", type=click.IntRange(1, 64), default=1, show_default=True,
+              metavar="N",
+              help="Members started together (all of a cluster's, at once): the first "
+                   "assignment waits for N to join (at most 10 s), so that shards don't "
+                   "move (their first transactions fenced) right after the start.")
 @click.option("--worker-of-run", is_flag=True, hidden=True,
               help="Started by `streamkit run`: once it is gone (killed), stop quickly.")
 @security_options(serves=True, dials=True)
