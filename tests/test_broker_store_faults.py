@@ -257,7 +257,11 @@ def test_a_restart_while_the_store_cant_be_listed_skips_and_overwrites_nothing(
     folder = broker.data_dir / "fragments" / "unlisted" / "j"
     try:
         journals = wire.stub(broker.address)
-        wire.create(journals, wire.spec(journal, length=1024, codec=pb.NONE))
+        spec = wire.spec(journal, length=1024, codec=pb.NONE)
+        # Listed again only hourly: a first listing that failed is retried sooner (it was
+        # retried only at the refresh interval, 5 minutes by default).
+        spec.fragment.refresh_interval.seconds = 3600
+        wire.create(journals, spec)
         for n in range(3):
             assert wire.append(journals, journal, bytes([65 + n]) * 1500).status == pb.OK
         wire.wait_until(lambda: sum(bool(f.backing_store)
@@ -347,3 +351,34 @@ def test_a_store_that_hangs_holds_up_no_other_journal(
     finally:
         broker.kill()
         hung.close()
+
+
+def test_a_fragment_of_a_store_taken_out_of_the_spec_is_unavailable_not_a_spin(
+        tmp_path: Path) -> None:
+    """A journal's spec moves it to another store: its listed fragments of the old one are
+    in the index until the next listing. A read there found the same fragment again and
+    again without awaiting (the broker's loop froze); now UNAVAILABLE, naming the cause."""
+    broker = BrokerProcess(tmp_path / "broker").start()
+    journal = "moved/j"
+    try:
+        journals = wire.stub(broker.address)
+        spec = wire.spec(journal, length=1024, codec=pb.NONE, stores=["file:///old/"])
+        spec.fragment.refresh_interval.seconds = 3600  # no listing during the test
+        wire.create(journals, spec)
+        for n in range(2):
+            assert wire.append(journals, journal, bytes([65 + n]) * 1500).status == pb.OK
+        wire.wait_until(lambda: any(f.backing_store for f in wire.fragments(journals, journal)))
+        (listed,) = [e for e in next(iter(journals.List(pb.ListRequest()))).journals
+                     if e.spec.name == journal]
+        moved = listed.spec
+        del moved.fragment.stores[:]
+        moved.fragment.stores.append("file:///new/")
+        wire.update(journals, moved)
+        with pytest.raises(grpc.RpcError) as refused:
+            for _ in journals.Read(pb.ReadRequest(journal=journal, offset=0), timeout=10):
+                pass
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+        assert "no longer one of the journal's stores" in refused.value.details()
+        assert wire.append(journals, journal, b"still served").status == pb.OK
+    finally:
+        broker.kill()

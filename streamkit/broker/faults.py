@@ -21,6 +21,7 @@ __all__ = [
     "JournalUnavailable",
     "StorageExhausted",
     "StorageFailed",
+    "StoreGone",
     "StoresUnlisted",
     "storage_fault",
 ]
@@ -59,6 +60,11 @@ class StoresUnlisted(JournalFault):
     """The journal's stores have not been listed since the broker started: what they hold
     (below the local spools, or at all) is unknown, so a read there or the write head
     would be guessed. UNAVAILABLE: clients retry, and it passes once a listing works."""
+
+
+class StoreGone(JournalFault):
+    """A listed fragment's store was taken out of the journal's spec since the listing.
+    UNAVAILABLE: the next listing drops the fragment from the index."""
 
 
 class ContentLost(JournalFault):

@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import BinaryIO
 
 from streamkit.broker import metrics
-from streamkit.broker.faults import ContentLost, storage_fault
+from streamkit.broker.faults import ContentLost, StoreGone, storage_fault
 from streamkit.broker.replica import Replica
 from streamkit.broker.stores import FragmentStore, FragmentStoreError
 from streamkit.protocol import pb
@@ -117,8 +117,10 @@ class ReadStream:
 
     async def _remote_content(self, fragment: pb.Fragment) -> AsyncIterator[bytes]:
         store = next((s for s in self.replica.stores if s.url == fragment.backing_store), None)
-        if store is None:
-            return
+        if store is None:  # (returning nothing, the read found the same fragment for ever)
+            raise StoreGone(self.replica.name, f"fragment {content_name(fragment)} is in "
+                            f"{fragment.backing_store}, no longer one of the journal's stores; "
+                            "its index follows at the next listing of the stores")
         doing = f"reading fragment {content_name(fragment)} from {store.url}"
         try:
             stream = await store.in_thread(_open_at, store, fragment, self.offset)

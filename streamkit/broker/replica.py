@@ -93,10 +93,11 @@ class Replica:
         if self.index.end <= self.spool.end:
             return
         if self.spool.length == 0:
-            self.local.pop(self.spool.begin)
-            self.index.remove_local(self.spool.begin)
-            self.spool.remove_files()
-            self._start_spool(self.index.end)
+            old = self.spool
+            self._start_spool(self.index.end)  # first: if it fails, nothing changed
+            self.local.pop(old.begin, None)
+            self.index.remove_local(old.begin)
+            old.remove_files()
         else:
             old = self.spool
             old.seal()
@@ -241,6 +242,8 @@ class Replica:
                 self._persisted_meanwhile = None
             if listed is not None and self.known_from is not None:
                 async with self.append_lock:  # (appends were refused if the head was unknown)
+                    if self.deleted:  # dropped while listing: its files are not ours now
+                        return
                     self._catch_up_with_stores()
                     self.known_from = None
         self.notify()

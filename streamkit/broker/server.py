@@ -274,6 +274,8 @@ class Broker:
 
     async def _maybe_refresh(self, replica: Replica, now: float) -> None:
         interval = replica.spec.fragment.refresh_interval.ToSeconds() or 300
+        if replica.known_from is not None:  # never listed yet: reads below it wait on it
+            interval = TICK
         last = self._refreshed.setdefault(replica.name, now)
         if now - last >= interval and replica.name not in self._refreshing:
             self._refreshed[replica.name] = now
