@@ -208,6 +208,15 @@ def test_unreachable_broker(tmp_path: Path) -> None:
     assert f"nothing was published; the input is in {rest}" in lines[0], lines
     assert rest.read_bytes() == b'{"n": 1}\n{"n": 2}'
 
+    # Naming the input itself (the natural retry) emptied it before reading: refused.
+    for how in (["-i", str(rest)], []):
+        with rest.open("rb") as stdin:
+            done = subprocess.run([*CLI, "-l", "topic=x", *how, "--unpublished", str(rest),
+                                   "--broker", address], stdin=stdin,
+                                  capture_output=True, timeout=60)
+        assert done.returncode == 2 and b"is the input" in done.stderr, done.stderr
+        assert rest.read_bytes() == b'{"n": 1}\n{"n": 2}'
+
 
 async def test_lines_longer_than_a_read_are_whole() -> None:
     """A line spanning many reads (joined once, not at each read: a 70 MB line took 15 s)."""

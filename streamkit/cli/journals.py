@@ -259,7 +259,7 @@ async def append_cmd(journal: str | None, selector: str | None, input_path: str,
     If an append fails, the error says exactly what was appended: with lines,
     how many of the lines read (by journal, for those short).
     """
-    with opened_input(input_path) as source, opened_output(unpublished_path) as unappended:
+    with opened_input(input_path) as source, opened_output(unpublished_path, source) as unappended:
         appending = False
         try:
             async with BrokerClient(broker, security) as client:

@@ -242,7 +242,8 @@ async def publish(selector: str, key: str | None, mapping: str | None, input_pat
     """
     parsed = parse_selector(selector)
     tally: Counter[str] = Counter()
-    with opened_input(input_path) as source, _opened_output(unpublished_path) as unpublished:
+    with opened_input(input_path) as source, \
+            _opened_output(unpublished_path, source) as unpublished:
         reading = False
         try:
             async with BrokerClient(broker, security) as client, \

@@ -11,6 +11,8 @@ the job with each line once.
 from __future__ import annotations
 
 import contextlib
+import io
+import os
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,11 +88,20 @@ def describe(cause: BaseException | None) -> str:
 
 
 @contextlib.contextmanager
-def opened_output(path: Path | None) -> Iterator[IO[bytes] | None]:
-    """`path` opened for writing now (a bad one is said before appending anything)."""
+def opened_output(path: Path | None, source: IO[bytes]) -> Iterator[IO[bytes] | None]:
+    """`path` opened for writing now (a bad one is said before appending anything). It
+    must not be the input, `source`: opening it would empty the input before it is read
+    (a retry `-i rest --unpublished rest` lost every line)."""
     if path is None:
         yield None
         return
+    try:
+        same = os.path.samestat(os.fstat(source.fileno()), os.stat(path))
+    except (OSError, ValueError, io.UnsupportedOperation):  # no such file yet, or no fd
+        same = False
+    if same:
+        raise CliError(f"--unpublished {path} is the input: it would be emptied before it "
+                       "is read; name another file", DATA_ERROR)
     try:
         output = path.open("wb")
     except OSError as err:
