@@ -13,6 +13,9 @@ import orjson
 import pytest
 
 from streamkit.cli.publish import _READ_SIZE, _line_batches
+from streamkit.cli.unsettled import Unsettled, keep_unknown, outcome_unknown
+from streamkit.client import OpFuture, TransportError
+from streamkit.client.errors import broker_error
 from streamkit.message.mapping import fnv1a32
 from streamkit.message.uuid import UUID, Flags, parse_uuid
 from streamkit.protocol import pb
@@ -224,3 +227,25 @@ async def test_lines_longer_than_a_read_are_whole() -> None:
     text = b"{}\n" + long + b"\n\n{}\n" + long
     lines = [line async for batch in _line_batches(io.BytesIO(text)) for line in batch]
     assert lines == [b"{}", long, b"", b"{}", long]
+
+
+async def test_appends_whose_outcome_is_unknown_are_kept_apart(tmp_path: Path) -> None:
+    """An append whose answer was lost (INTERNAL, a deadline) may have committed: its lines
+    were written to --unpublished, whose publishing then appended them twice. They are
+    counted apart and kept in FILE.unknown; a broker's refusal is not committed, for sure."""
+    unsettled = Unsettled()
+    lost, refused, landed = OpFuture(), OpFuture(), OpFuture()
+    for number, future in enumerate((lost, refused, landed, lost), start=1):
+        unsettled.add(future, number, f"line {number}".encode())
+    lost.fail(TransportError("append to j/a", "INTERNAL", "stream reset"))
+    refused.fail(broker_error(pb.NOT_ALLOWED, "append to j/b"))
+    landed.resolve(pb.AppendResponse(status=pb.OK))
+    assert await unsettled.failed() == [(2, b"line 2")]
+    assert await unsettled.unknown() == [(1, b"line 1"), (4, b"line 4")]
+    assert outcome_unknown(TransportError("x", "DEADLINE_EXCEEDED", ""))
+    assert not outcome_unknown(TransportError("x", "UNAVAILABLE", ""))
+
+    with (tmp_path / "rest").open("wb") as kept:
+        said = keep_unknown(await unsettled.unknown(), kept, b"\n")
+    assert said.startswith(", and 2 unknown (the broker's answer was lost"), said
+    assert (tmp_path / "rest.unknown").read_bytes() == b"line 1\nline 4\n"

@@ -39,7 +39,13 @@ from pydantic import BaseModel
 
 from streamkit.cli.errors import DATA_ERROR, CliError, explain, warn
 from streamkit.cli.output import plural
-from streamkit.cli.unsettled import AppendFailed, Unsettled, describe
+from streamkit.cli.unsettled import (
+    AppendFailed,
+    Unsettled,
+    describe,
+    keep_unknown,
+    outcome_unknown,
+)
 from streamkit.client import (
     AppendService,
     BrokerClient,
@@ -48,7 +54,6 @@ from streamkit.client import (
     RetryReader,
 )
 from streamkit.client.appender import CHUNK_SIZE, append_with_retries
-from streamkit.client.errors import BrokerError, TransportError
 from streamkit.client.reader import read_write_head
 from streamkit.message.framing import UnknownFraming
 from streamkit.message.message import MessageLike
@@ -81,16 +86,12 @@ def _chunks(source: IO[bytes]) -> Iterator[bytes]:
 
 
 # Failures of an append that leave open whether the broker committed it.
-_UNSURE_CODES = ("UNKNOWN", "INTERNAL", "DEADLINE_EXCEEDED", "CANCELLED", "DATA_LOSS")
-
-
 def _raw_failure(err: Exception, journal: str, source: IO[bytes],
                  unappended: IO[bytes] | None) -> CliError:
     """The error of a failed raw append, saying whether the input was appended: an append
     commits whole or not at all, and one the broker refused did not commit."""
     lines, code = explain(err)  # (raises `err` itself if it is no failure explained)
-    if isinstance(err, BrokerError) or (
-            isinstance(err, TransportError) and err.code not in _UNSURE_CODES):
+    if not outcome_unknown(err):
         said = f"nothing was appended to {journal} (an append commits whole or not at all)"
         if unappended is not None:
             source.seek(0)
@@ -244,14 +245,15 @@ async def _report_failure(cause: BaseException | None, unsettled: Unsettled,
                           tallies: dict[str, _Tally], read: int, rest: list[bytes],
                           lines: AsyncIterator[bytes], unappended: IO[bytes] | None) -> None:
     """Raise the CliError of a failed append: what committed, and what to append again."""
-    failed = await unsettled.failed()
+    failed, unknown = await unsettled.failed(), await unsettled.unknown()
     short = await unsettled.failed_by_journal()
     total = sum(tally.lines for tally in tallies.values())
     by_journal = "; ".join(f"to {journal}: {tallies[journal].lines - count:,} of its "
                            f"{tallies[journal].lines:,}"
                            for journal, count in sorted(short.items()))
-    account = (f"{total - len(failed):,} of the {total:,} lines read were appended, "
-               f"{len(failed):,} were not (appended {by_journal})")
+    account = (f"{total - len(failed) - len(unknown):,} of the {total:,} lines read were "
+               f"appended, {len(failed):,} were not{keep_unknown(unknown, unappended, b'')} "
+               f"(appended {by_journal})")
     if unappended is None:
         hint = ("; appending the same input again would append the appended ones twice "
                 "(--unpublished FILE writes the lines not appended, and the rest of the "

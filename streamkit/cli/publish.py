@@ -40,6 +40,7 @@ from streamkit.cli.output import plural
 from streamkit.cli.security_options import security_options
 from streamkit.cli.unsettled import AppendFailed as _AppendFailed
 from streamkit.cli.unsettled import Unsettled as _Unsettled
+from streamkit.cli.unsettled import keep_unknown
 from streamkit.cli.unsettled import opened_output as _opened_output
 from streamkit.client import AppendService, BrokerClient, PolledList
 from streamkit.message.framing import UnknownFraming, content_type_of, framing_for
@@ -182,10 +183,11 @@ async def _report_failure(cause: BaseException | None, unsettled: _Unsettled,
                           tally: Counter[str], read: int, rest: list[bytes],
                           batches: AsyncIterator[list[bytes]],
                           unpublished: IO[bytes] | None) -> None:
-    failed = await unsettled.failed()
-    committed = tally.total() - len(failed)
+    failed, unknown = await unsettled.failed(), await unsettled.unknown()
+    committed = tally.total() - len(failed) - len(unknown)
+    maybe = keep_unknown(unknown, unpublished, b"\n")
     account = (f"{committed:,} of the {tally.total():,} messages read were committed, "
-               f"{len(failed):,} were not")
+               f"{len(failed):,} were not{maybe}")
     if unpublished is None:
         hint = ("; publishing the same input again would publish the committed ones twice "
                 "(--unpublished FILE writes the lines not committed, and the rest of the "

@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import IO
 
 from streamkit.cli.errors import DATA_ERROR, CliError, explain
-from streamkit.client import OpFuture
+from streamkit.client import BrokerError, OpFuture, TransportError
 from streamkit.errors import StreamkitError
 
-__all__ = ["AppendFailed", "Unsettled", "describe", "opened_output"]
+__all__ = ["UNSURE_CODES", "AppendFailed", "Unsettled", "describe", "keep_unknown",
+           "opened_output", "outcome_unknown"]
 
 
 class Unsettled:
@@ -60,19 +61,59 @@ class Unsettled:
             raise AppendFailed from failure
 
     async def failed(self) -> list[tuple[int, bytes]]:
-        """Once every append settled, the lines of those that failed, in input order."""
+        """Once every append settled, the lines of those that failed for sure (not
+        committed), in input order."""
+        return await self._settled_lines(unknown=False)
+
+    async def unknown(self) -> list[tuple[int, bytes]]:
+        """Once every append settled, the lines of those whose outcome is unknown (their
+        answer was lost), in input order: appending them again may append them twice."""
+        return await self._settled_lines(unknown=True)
+
+    async def _settled_lines(self, *, unknown: bool) -> list[tuple[int, bytes]]:
         await self._wait()
         return sorted(item for future, held in self.lines.items() if not future.succeeded()
-                      for item in held)
+                      and outcome_unknown(future.exception()) is unknown for item in held)
 
     async def failed_by_journal(self) -> Counter[str]:
-        """Once every append settled, how many lines failed, by the journal given to add."""
+        """Once every append settled, how many lines failed (for sure or maybe), by the
+        journal given to add."""
         await self._wait()
         short: Counter[str] = Counter()
         for future, held in self.lines.items():
             if not future.succeeded():
                 short[self.journals[future]] += len(held)
         return short
+
+
+# gRPC codes of a call whose outcome is unknown: the broker may have committed it.
+UNSURE_CODES = ("UNKNOWN", "INTERNAL", "DEADLINE_EXCEEDED", "CANCELLED", "DATA_LOSS")
+
+
+def outcome_unknown(error: BaseException | None) -> bool:
+    """Whether an append that failed with `error` may still have committed: the broker's
+    own answer (a status) says it didn't, as do transport failures before any answer."""
+    if error is None or isinstance(error, BrokerError | AppendFailed):
+        return False
+    return not isinstance(error, TransportError) or error.code in UNSURE_CODES
+
+
+def keep_unknown(unknown: list[tuple[int, bytes]], kept: IO[bytes] | None,
+                 ending: bytes) -> str:
+    """Write the lines of appends whose outcome is unknown beside `kept` (FILE.unknown):
+    not in FILE, which a rerun appends once, since they may be in the journal already.
+    Returns what the account says of them ("" for none)."""
+    if not unknown:
+        return ""
+    said = (f", and {len(unknown):,} unknown (the broker's answer was lost: they may be "
+            "in the journal")
+    if kept is None:
+        return said + ")"
+    path = Path(kept.name + ".unknown")
+    with path.open("wb") as out:
+        for _, line in unknown:
+            out.write(line + ending)
+    return said + f"; they are in {path}, to check against it before appending them)"
 
 
 class AppendFailed(StreamkitError):
