@@ -9,6 +9,7 @@ committed output topic, exit codes and error messages.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import re
 import signal
@@ -215,6 +216,38 @@ async def test_interrupt_commits_and_run_resumes(broker_proc: BrokerProcess,
             # Updates after the restart continue from the committed counts (no update is
             # repeated: _check_exact asserts each (shard, word)'s counts strictly increase).
             assert len(await view.output_updates()) > len(committed)
+    finally:
+        run.stop()
+
+
+async def test_a_second_interrupt_exits_while_a_commit_waits(broker_proc: BrokerProcess,
+                                                            tmp_path: Path) -> None:
+    """Ctrl-C while the shards' commits wait on something that isn't a hook (a broker
+    stopped, a store's database holding a lock): the stop waits its ~40 s; a second Ctrl-C
+    exits within a second or so (it was ignored, the docs saying it exits at once)."""
+    app = copy_wordcount(tmp_path / "wordcount")
+    _app_variant(app, "Slow", SLOW)
+    address = broker_proc.address
+    run = run_app(app, address, tmp_path / "run.log")
+    try:
+        async with AppView(app, address) as view:
+            await view.wait_serving(timeout=60)
+            Feeder(app, address, tmp_path / "feed.log", count=3000, batch=500,
+                   interval=0).start().finish()
+            assert broker_proc.proc is not None
+            os.kill(broker_proc.proc.pid, signal.SIGSTOP)  # commits now wait
+            try:
+                assert run.proc is not None
+                run.proc.send_signal(signal.SIGINT)
+                await asyncio.sleep(2.0)  # not a synchronisation: the stop under way
+                assert run.alive, run.log()
+                second = time.monotonic()
+                code = await asyncio.to_thread(run.signal, signal.SIGINT, LIVENESS)
+                print(f"exited {time.monotonic() - second:.2f}s after the second signal")
+                assert code == 1, run.log()
+                assert "exiting now, without the shards' last commits" in run.text(), run.log()
+            finally:
+                os.kill(broker_proc.proc.pid, signal.SIGCONT)
     finally:
         run.stop()
 

@@ -87,9 +87,9 @@ class Service:
                 task.cancel()
             raise
         if stuck:
-            log.warning("%d shard(s) not stopped within %.1fs (is the broker down?); left "
-                        "behind, their uncommitted transactions abandoned", len(stuck),
-                        2 * timeout + _STOP_MARGIN)
+            log.warning("%d shard(s) not stopped within %.1fs (a commit waiting on the "
+                        "broker, or on the store's database); left behind, their uncommitted "
+                        "transactions abandoned", len(stuck), 2 * timeout + _STOP_MARGIN)
         for task in stuck:
             self._left_behind.add(task)
             loop = replicas[drops[task]].loop

@@ -35,6 +35,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -79,6 +80,7 @@ _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # Seconds a stop waits on a plain hook that blocks the event loop (nothing can commit
 # meanwhile) before the process exits without committing; a second Ctrl-C exits at once.
 STUCK_GRACE = 5.0
+_SECOND_SIGNAL_EXIT = 1.0  # seconds after a second signal that end the process anyway
 
 
 def _stop_timeout() -> float:
@@ -214,6 +216,9 @@ def _exit_stuck(stuck: list[Stuck], children: Callable[[], list[Child]] = list) 
     for s in stuck:
         sys.stderr.write(f"stopping: shard {s.shard} is stuck in {s.hook} since {s.elapsed:.1f}s; "
                          f"exiting without committing it. It is at:\n{s.stack}\n")
+    if not stuck:  # a second signal while the stop waits on a commit (broker or store)
+        sys.stderr.write("stopping: exiting now, without the shards' last commits (their "
+                         "next primaries do those transactions again)\n")
     sys.stderr.flush()
     for child in children():  # workers and the bundled broker stop by themselves
         with contextlib.suppress(OSError):
@@ -278,10 +283,23 @@ async def _until_signalled(supervising: asyncio.Task[None] | None = None,
         watchdog = member.runtime.watchdog
         watchdog.arm_exit(lambda stuck: _exit_stuck(stuck, children), STUCK_GRACE,
                           _stop_timeout() + STUCK_GRACE)
+        exit_timer = threading.Timer(_SECOND_SIGNAL_EXIT, lambda: _exit_stuck([], children))
+        exit_timer.daemon = True
+        seen = 0
+
+        def on_signal(_sig: int, _frame: object) -> None:
+            nonlocal seen
+            seen += 1
+            watchdog.stop_requested()
+            if seen == 2:
+                # The watchdog exits at once, naming a stuck hook; should the stop wait on
+                # something else (a store's commit blocked in its database), this does.
+                exit_timer.start()
+
         for sig in signals:
             # Replaces asyncio's no-op Python-level handler; the loop still gets the signal
             # through its wakeup fd.
-            signal.signal(sig, lambda _sig, _frame: watchdog.stop_requested())
+            signal.signal(sig, on_signal)
     await first_of([stop.wait(), *([supervising] if supervising is not None else []),
                     *([member.wait_failed()] if member is not None else [])])
     if supervising is not None and supervising.done():
