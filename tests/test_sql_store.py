@@ -13,6 +13,7 @@ import asyncio
 import random
 import re
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -619,3 +620,46 @@ async def test_a_store_of_an_sqlite_url_puts_the_database_in_wal(tmp_path: Path)
     with engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
     engine.dispose()
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_connection_dropped_between_transactions_is_replaced(
+        new_store, postgres_url, shard) -> None:
+    """The database drops the store's connection while the shard is idle (PostgreSQL
+    restarted, a backend terminated): the next transaction connects again. It failed on
+    the dead connection, failing the shard for good."""
+    table = app_table(f"state_{uuid.uuid4().hex[:12]}")
+    admin = sa.create_engine(postgres_url)
+    try:
+        table.metadata.create_all(admin)
+        store = new_store()
+        await store.restore_checkpoint(shard)
+        await (await commit_txn(store, table, 1))
+        pid = await store.run(lambda conn: conn.execute(sa.text("SELECT pg_backend_pid()"))
+                              .scalar())
+        await (await store.start_commit(shard, checkpoint_at(1), []))  # ends that transaction
+        with admin.connect() as conn:
+            assert conn.execute(sa.text(f"SELECT pg_terminate_backend({int(pid)})")).scalar()
+        await (await commit_txn(store, table, 2))
+        seen = read_committed(postgres_url, shard, table)
+        assert (seen.rows, seen.checkpoint) == ([1, 2], checkpoint_at(2))
+    finally:
+        admin.dispose()
+
+
+async def test_a_database_out_of_reach_at_restore_is_one_line(shard) -> None:
+    """PostgreSQL down as a shard restores: one line naming the shard and the phase (it
+    was SQLAlchemy's error with a 60-line traceback in the log)."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = SQLStore(f"postgresql://postgres@127.0.0.1:{port}/none", shard)
+    try:
+        with pytest.raises(StoreError) as failed:
+            await store.restore_checkpoint(shard)
+    finally:
+        await store.destroy()
+    message = str(failed.value)
+    assert message.startswith(f"shard {shard}: restoring its checkpoint from the postgresql "
+                              "database failed: "), message
+    assert "\n" not in message and "refused" in message, message

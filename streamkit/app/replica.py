@@ -324,8 +324,7 @@ class Replica:
                     where = app_location(cause, self._app_folder())
                     trace = self.app_traceback(cause)
             log.error("shard %s failed: %s%s", self.id, message, trace,
-                      exc_info=not isinstance(
-                          error, QueryError | OSError | TransactionFailed | AppInitFailed))
+                      exc_info=not isinstance(error, StreamkitError | QueryError | OSError))
             self._set_status(Code.FAILED, message + where)
             await self._release()
 

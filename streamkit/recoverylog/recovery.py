@@ -38,6 +38,7 @@ class Playback:
             raise ValueError(f"hints are of log {hints.log!r}, not {log!r}")
         self.client, self.log, self.directory = client, log, Path(directory)
         self.player = Player(client)
+        self._taken = False
         self._task = asyncio.create_task(
             self.player.play(hints or rpb.FSMHints(log=log), self.directory),
             name=f"playback:{log}",
@@ -85,13 +86,15 @@ class Playback:
                 self._task.cancel()
                 raise
             if done:
+                self._taken = True  # its error, if any, is raised here: not again by cancel
                 return self._task.result()
             log.warning("taking over %s: still playing after %.0fs, %s", self.log,
                         time.monotonic() - began, self.player.progress())
 
     async def cancel(self) -> None:
         """Stop playing (a standby that was released)."""
-        await cancel_and_wait(self._task, f"playback of {self.log}")
+        if not self._taken:
+            await cancel_and_wait(self._task, f"playback of {self.log}")
 
 
 async def recover(

@@ -127,8 +127,10 @@ def _create_engine(url: str, views: int) -> sa.Engine:
     if (problem := driver_problem(url)) is not None:
         raise StoreError(f"store.url {problem}")
     try:
+        # pool_pre_ping: a view's pooled connection that the database dropped (restarted)
+        # is replaced at checkout, not found dead by a query.
         return sa.create_engine(url, pool_size=2 if views else 1,
-                                max_overflow=max(views - 1, 0))
+                                max_overflow=max(views - 1, 0), pool_pre_ping=True)
     except TypeError:  # a pool without those sizes (an in-memory SQLite database's)
         return sa.create_engine(url)
 
@@ -323,7 +325,12 @@ class SQLStore(Store):
         self._check_open()
         if self._commit_op is not None:
             await self._commit_op.wait()
-        fence, data = await self._call(self._restore_sync)
+        try:
+            fence, data = await self._call(self._restore_sync)
+        except sa.exc.DBAPIError as error:  # the database out of reach, say: one line
+            raise StoreError(f"shard {self.shard_fqn}: restoring its checkpoint from the "
+                             f"{self._engine.dialect.name} database failed: "
+                             f"{' '.join(str(error.orig or error).split())}") from error
         self._fence = fence
         checkpoint = consumer_pb.Checkpoint()
         checkpoint.ParseFromString(data)
@@ -389,8 +396,25 @@ class SQLStore(Store):
         """The connection, in the current consumer transaction (begun if need be)."""
         conn = self._connection()
         if not conn.in_transaction():
+            conn = self._alive(conn)
             conn.begin()
         return conn
+
+    def _alive(self, conn: sa.Connection) -> sa.Connection:
+        """`conn`, or a new connection if the database dropped it since the last
+        transaction (restarted while the shard was idle: its next transaction failed,
+        and the shard with it). A ping per consumer transaction; safe, as nothing of the
+        transaction is on the connection yet, and the fence is checked at commit."""
+        try:
+            if not conn.invalidated and conn.dialect.do_ping(conn.connection.dbapi_connection):
+                return conn
+        except Exception as error:  # the ping's failure: the connection is gone
+            log.info("%s: its database connection was dropped (%s); connecting again",
+                     self.shard_fqn, error)
+        conn.invalidate()
+        conn.close()
+        self._conn = self._engine.connect()
+        return self._conn
 
     def _in_transaction(self, fn: Callable[..., T], *args: Any) -> T:
         return fn(self._begun(), *args)
