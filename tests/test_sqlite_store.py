@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import resource
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -189,6 +191,30 @@ async def test_transaction_ended_by_sqlite_fails_the_commit(
             await asyncio.wait_for(op, DEADLINE)
         await store.destroy()
         await assert_recovers(client, log, tmp_path / "standby", 1, expected_rows(1))
+
+
+async def test_a_commit_sqlite_refuses_names_the_database(
+    shared_broker: BrokerProcess, tmp_path: Path
+) -> None:
+    """The disk fills as SQLite commits (RLIMIT_FSIZE here): the failure names the database
+    file (it said only "database or disk is full", of whichever disk)."""
+    async with BrokerClient(shared_broker.address) as client:
+        log = await new_log(client)
+        store = await committed_primary(client, log, tmp_path / "primary")
+        store.db.execute("INSERT OR REPLACE INTO kv VALUES (999999, ?)", (b"x" * (4 << 20),))
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+        ignored = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, limit[1]))
+        try:
+            op = await store.start_commit(SHARD, checkpoint_of(2), [])
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+            signal.signal(signal.SIGXFSZ, ignored)
+        with pytest.raises(StoreError) as refused:
+            await asyncio.wait_for(op, DEADLINE)
+        assert str(refused.value).startswith(
+            f"committing {tmp_path / 'primary' / 'db.sqlite'}: "), refused.value
+        await store.destroy()
 
 
 async def test_hand_off_fences_the_previous_instance(

@@ -259,6 +259,11 @@ class SQLiteStore(RecordedStore):
         except Exception as failure:  # e.g. the recorder already failed mid-commit
             if db.in_transaction:
                 db.execute("ROLLBACK")
+            if isinstance(failure, apsw.Error):  # "database or disk is full": which one
+                named = StoreError(f"committing {self.fs.local(self.filename)}: "
+                                   f"{type(failure).__name__}: {failure}")
+                named.__cause__ = failure
+                return OpFuture.finished(named)
             return OpFuture.finished(failure)
         finally:
             if not db.in_transaction:
