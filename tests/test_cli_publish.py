@@ -182,6 +182,20 @@ def test_user_errors(shared_broker: BrokerProcess, text: bytes, args: list[str],
     assert message in err
 
 
+def test_a_bad_line_leaves_it_and_the_rest_in_unpublished(shared_broker: BrokerProcess,
+                                                          tmp_path: Path) -> None:
+    """With --unpublished, a bad line (exit 2) leaves it and the input after it there, to
+    publish once fixed: the file was left empty beside the advice to publish it."""
+    selector, names = make_topic(shared_broker, 1)
+    rest = tmp_path / "rest.jsonl"
+    text = b'{"n": 1}\n{"n": 2}\nnot json\n{"n": 4}\n'
+    err = failure(shared_broker.address, "-l", selector, "--unpublished", str(rest),
+                  input=text, code=2)
+    assert "input line 3: " in err and f"it and the input after it are in {rest}" in err, err
+    assert rest.read_bytes() == b'not json\n{"n": 4}\n'
+    assert [m["n"] for m in contents(shared_broker, names)[names[0]]] == [1, 2]
+
+
 def test_no_matching_journal_and_bad_selector(shared_broker: BrokerProcess) -> None:
     err = failure(shared_broker.address, "-l", "topic=none-such", input=b"{}\n", code=1)
     assert "no journals match selector 'topic=none-such'" in err

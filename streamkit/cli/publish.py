@@ -162,10 +162,14 @@ async def publish_lines(publisher: Publisher, mapping: MappingFunc, source: IO[b
                     # line is among those to publish again; otherwise this line is.
                     rest, number = lines[index:], number - 1
                     await unsettled.settle()
+                    kept = ""
+                    if unpublished is not None:  # it and the input after it: not published
+                        await _keep_rest(rest, batches, unpublished)
+                        kept = f"; it and the input after it are in {unpublished.name}"
                     raise CliError(
                         f"input line {number + 1}: {err} (stopped there; the "
                         f"{plural(tally.total(), 'message')} before it "
-                        f"{'was' if tally.total() == 1 else 'were'} published)",
+                        f"{'was' if tally.total() == 1 else 'were'} published{kept})",
                         DATA_ERROR,
                     ) from None
                 unsettled.add(future, number, line)
@@ -195,11 +199,7 @@ async def _report_failure(cause: BaseException | None, unsettled: _Unsettled,
     else:
         for _, line in failed:
             unpublished.write(line + b"\n")
-        for line in rest:
-            unpublished.write(line + b"\n")
-        async for lines in batches:
-            for line in lines:
-                unpublished.write(line + b"\n")
+        await _keep_rest(rest, batches, unpublished)
         hint = (f"; those, and the input after line {read:,}, are in {unpublished.name}: "
                 "publish it to finish")
     try:
@@ -207,6 +207,16 @@ async def _report_failure(cause: BaseException | None, unsettled: _Unsettled,
     except Exception:  # not one of the errors explained: its type and message
         what = f"{type(cause).__name__}: {cause}"
     raise CliError(f"{what}; {account}{hint}")
+
+
+async def _keep_rest(rest: list[bytes], batches: AsyncIterator[list[bytes]],
+                     unpublished: IO[bytes]) -> None:
+    """Write `rest` (lines read, not published) and then the input not read yet."""
+    for line in rest:
+        unpublished.write(line + b"\n")
+    async for lines in batches:
+        for line in lines:
+            unpublished.write(line + b"\n")
 
 
 def _keep_all(source: IO[bytes], unpublished: IO[bytes]) -> None:
