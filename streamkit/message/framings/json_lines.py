@@ -60,6 +60,7 @@ _dumps = orjson.dumps  # one global lookup per frame, not two
 _isfinite = math.isfinite
 _SEQUENCES = (list, tuple)
 _CONTAINERS = (dict, list, tuple)
+_SCALARS = frozenset({str, int, bool, type(None)})
 
 
 class NonFiniteNumber(StreamkitError, ValueError):
@@ -76,15 +77,22 @@ def has_non_finite(value: Any) -> bool:
         return not _isfinite(value)
     if isinstance(value, dict):
         value = value.values()
+    elif _is_dataclass(value):  # orjson writes dataclasses' fields too
+        value = [getattr(value, name, None) for name in type(value).__dataclass_fields__]
     elif not isinstance(value, _SEQUENCES):
         return False
     for item in value:
         if isinstance(item, float):
             if not _isfinite(item):
                 return True
-        elif isinstance(item, _CONTAINERS) and has_non_finite(item):
+        elif (isinstance(item, _CONTAINERS) or _is_dataclass(item)) and has_non_finite(item):
             return True
     return False
+
+
+def _is_dataclass(value: Any) -> bool:
+    kind = type(value)  # (a failed attribute lookup is slow: JSON's scalars skip it)
+    return kind not in _SCALARS and hasattr(kind, "__dataclass_fields__")
 
 
 def _non_finite_path(value: Any, path: str = "") -> tuple[str, float] | None:
@@ -93,6 +101,9 @@ def _non_finite_path(value: Any, path: str = "") -> tuple[str, float] | None:
         return None if _isfinite(value) else (path, value)
     if isinstance(value, dict):
         steps: list[tuple[str, Any]] = [(f"[{key!r}]", item) for key, item in value.items()]
+    elif _is_dataclass(value):
+        steps = [(f".{name}", getattr(value, name, None))
+                 for name in type(value).__dataclass_fields__]
     elif isinstance(value, _SEQUENCES):
         steps = [(f"[{index}]", item) for index, item in enumerate(value)]
     else:
