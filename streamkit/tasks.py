@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 from streamkit.errors import StreamkitError
 
-__all__ = ["Countdown", "cancel_and_wait", "finish", "wait_finished"]
+__all__ = ["Countdown", "cancel_and_wait", "finish", "on_thread", "wait_finished"]
 
 log = logging.getLogger(__name__)
 
@@ -102,3 +104,10 @@ async def finish(step: Awaitable[T]) -> T:
     if cancelled:
         raise asyncio.CancelledError
     return task.result()
+
+
+async def on_thread(executor: Executor, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` run on `executor`'s threads: a pool of one's own (a store's, the broker's
+    disk work) rather than the loop's default, which anything may fill."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(executor, functools.partial(fn, *args))

@@ -8,11 +8,11 @@ recovery and compressing spools for persisting run here; stores use theirs.
 
 from __future__ import annotations
 
-import asyncio
-import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+
+from streamkit.tasks import on_thread
 
 __all__ = ["on_disk"]
 
@@ -23,5 +23,4 @@ _THREADS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="broker-disk")
 
 async def on_disk(fn: Callable[..., T], *args: Any) -> T:
     """`fn(*args)` in one of the broker's disk threads."""
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_THREADS, functools.partial(fn, *args))
+    return await on_thread(_THREADS, fn, *args)

@@ -92,14 +92,13 @@ class Replica:
         data dir (or a journal's history from elsewhere) must not be written over."""
         if self.index.end <= self.spool.end:
             return
-        if self.spool.length == 0:
-            old = self.spool
+        old = self.spool
+        if old.length == 0:
             self._start_spool(self.index.end)  # first: if it fails, nothing changed
             self.local.pop(old.begin, None)
             self.index.remove_local(old.begin)
             old.remove_files()
         else:
-            old = self.spool
             old.seal()
             self._start_spool(self.index.end)
             self._on_roll(self, old)

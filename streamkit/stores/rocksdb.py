@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -40,7 +39,7 @@ from streamkit.protocol import consumer_pb, pb
 from streamkit.recoverylog.recorded_fs import RecordedFS
 from streamkit.stores.dir_observer import DirObserver, Observation
 from streamkit.stores.store import VIEWING, OpenViews, Store, StoreError, viewing
-from streamkit.tasks import wait_finished
+from streamkit.tasks import on_thread, wait_finished
 
 __all__ = [
     "CHECKPOINT_KEY",
@@ -394,14 +393,13 @@ class RocksDBStore(Store):
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on the store's worker thread (RocksDB calls block)."""
-        loop = asyncio.get_running_loop()
         if not self._thread_started:
             # The executor starts its thread on the first call, and Thread.start waits until
             # the thread runs: milliseconds while other threads hold the GIL (eight shards
             # opening their stores at once), which the event loop would spend blocked.
             self._thread_started = True
             await asyncio.to_thread(self._executor.submit, _nothing)
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+        return await on_thread(self._executor, fn, *args)
 
     def _write_sync(self, mutations: dict[bytes, bytes | None], checkpoint: bytes) -> None:
         """The transaction and its checkpoint, in one atomic write."""

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import shlex
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -64,7 +63,7 @@ from sqlalchemy.exc import IntegrityError, NoSuchModuleError
 from streamkit.client.append_service import OpFuture
 from streamkit.protocol import consumer_pb, pb
 from streamkit.stores.store import FencedError, OpenViews, Store, StoreError, context_set
-from streamkit.tasks import finish, wait_finished
+from streamkit.tasks import finish, on_thread, wait_finished
 
 __all__ = ["CHECKPOINTS", "SQLStore", "driver_problem"]
 
@@ -163,7 +162,7 @@ class _View:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlstore-view")
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await _on_thread(self._thread, fn, *args)
+        return await on_thread(self._thread, fn, *args)
 
     def open(self) -> None:
         """Take a connection and begin the read transaction, its snapshot taken now."""
@@ -385,7 +384,7 @@ class SQLStore(Store):
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on the store's worker thread."""
-        return await _on_thread(self._executor, fn, *args)
+        return await on_thread(self._executor, fn, *args)
 
     def _connection(self) -> sa.Connection:
         if self._conn is None or self._conn.closed:
@@ -533,11 +532,6 @@ def _use_wal(conn: sa.Connection, shard_fqn: str) -> None:
         conn.rollback()
         log.info("%s: SQLite database left in its journal mode: %s", shard_fqn, error)
 
-
-async def _on_thread(thread: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)`, run on `thread` (a store's or a view's, each keeping one connection)."""
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(thread, functools.partial(fn, *args))
 
 
 def _has_views(conn: sa.Connection) -> bool:

@@ -8,7 +8,6 @@ from the named `profile`.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from streamkit.protocol import pb
 from streamkit.protocol.fragments import content_path
+from streamkit.tasks import on_thread
 
 from .base import CONTENT_TYPES, FragmentStore, FragmentStoreError, store_args, translate_errors
 
@@ -94,8 +94,7 @@ class S3Store(FragmentStore):
         return await self.in_thread(self._list, journal, postfix_template)
 
     async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(_THREADS, functools.partial(fn, *args))
+        return await on_thread(_THREADS, fn, *args)
 
     def _list(self, journal: str, postfix_template: str | None) -> list[pb.Fragment]:
         prefix = f"{self.prefix}{journal}/"
