@@ -13,8 +13,21 @@ those keep working.
 
 from __future__ import annotations
 
-__all__ = ["StreamkitError"]
+from collections.abc import Iterator
+
+__all__ = ["StreamkitError", "causes"]
 
 
 class StreamkitError(Exception):
     """Something streamkit refused or failed to do; the message says what and where."""
+
+
+def causes(error: BaseException) -> Iterator[BaseException]:
+    """`error`, then what it was raised from or while handling, outermost first: where a
+    wrapper (a failed transaction, a store's one-line message) hides the original."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__

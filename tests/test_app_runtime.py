@@ -672,3 +672,111 @@ async def test_shards_taking_over_together_start_reading_together(
         finally:
             release.set()
             await service.stop()
+
+
+class SQLCount(Application):
+    """Counts words into a PostgreSQL table, in the transaction. A "drop" line, while
+    `drops` lasts, has the database drop the store's connection mid-transaction (an
+    administrator's pg_terminate_backend, as a restart or failover of the database does)."""
+
+    table = ""
+    admin_url = ""
+    drops = 0
+
+    def consume_message(self, shard: Any, store: Any, envelope: Any, publisher: Any) -> None:
+        import sqlalchemy as sa
+
+        conn = store.transaction()
+        line = envelope.message["line"]
+        if line == "drop" and SQLCount.drops > 0:
+            SQLCount.drops -= 1
+            pid = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar()
+            admin = sa.create_engine(self.admin_url)
+            with admin.connect() as other:
+                other.execute(sa.text(f"SELECT pg_terminate_backend({int(pid)})"))
+            admin.dispose()
+        for word in line.split():
+            conn.execute(sa.text(f"INSERT INTO {self.table} VALUES (:w, 1) ON CONFLICT (word) "
+                                 f"DO UPDATE SET n = {self.table}.n + 1"), {"w": word})
+
+    def finalize_txn(self, shard: Any, store: Any, publisher: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def sql_counting(postgres_url: str, tmp_path: Path) -> Any:
+    """An SQLCount table of its own, and the Runtime's factory for SQL stores."""
+    import uuid
+
+    import sqlalchemy as sa
+
+    SQLCount.table, SQLCount.admin_url = f"counts_{uuid.uuid4().hex[:10]}", postgres_url
+    admin = sa.create_engine(postgres_url)
+    with admin.begin() as conn:
+        conn.execute(sa.text(f"CREATE TABLE {SQLCount.table} (word text PRIMARY KEY, n int)"))
+
+    def counts() -> dict[str, int]:
+        with admin.connect() as conn:
+            return dict(conn.execute(sa.text(f"SELECT word, n FROM {SQLCount.table}")).all())
+
+    def factory(shard: Any, fs: Any, state: Any) -> Any:
+        return build_store("sql", shard, fs, sql_url=postgres_url)
+
+    yield factory, counts
+    admin.dispose()
+
+
+async def _sql_service(client: BrokerClient, tmp_path: Path, factory: Any
+                       ) -> tuple[Service, list[str]]:
+    from dataclasses import replace
+
+    base = unique_name("app")
+    journals = await _journals(client, base, 1)
+    specs = _specs(base, journals["inputs"])
+    for spec in specs.values():
+        spec.recovery_log_prefix = ""  # an SQL store recovers from its database
+    runtime = replace(_runtime(SQLCount, client, tmp_path, journals["outputs"]),
+                      store_factory=factory)
+    service = Service(runtime)
+    await service.assign(specs, {sid: 0 for sid in specs})
+    return service, journals["inputs"]
+
+
+async def test_a_connection_dropped_mid_transaction_recovers_the_shard(
+        shared_broker: Any, tmp_path: Path, sql_counting: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """PostgreSQL drops a shard's connection inside a transaction: the shard recovers
+    again from its checkpoint after a pause, and the counts stay exact. It was FAILED
+    until an operator unassigned it."""
+    factory, counts = sql_counting
+    SQLCount.drops = 1
+    async with BrokerClient(shared_broker.address) as client:
+        service, inputs = await _sql_service(client, tmp_path, factory)
+        lines = ["a b"] * 10 + ["drop"] + ["b c"] * 10
+        await _publish_lines(client, inputs, lines)
+        await eventually(lambda: counts() == _expected(lines), 30, "exact counts")
+        replica = service.replicas["shard-000"]
+        assert replica.status.code == Code.PRIMARY, replica.status
+        assert SQLCount.drops == 0
+        assert "its store seems out of reach for now: recovering again in 1s" in caplog.text
+        await service.stop()
+
+
+async def test_a_store_failing_on_and_on_fails_the_shard(
+        shared_broker: Any, tmp_path: Path, sql_counting: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Transient errors that go on past STORE_RETRY_FOR fail the shard, saying why."""
+    from streamkit.app import replica as replica_module
+
+    monkeypatch.setattr(replica_module, "STORE_RETRY_FOR", 2.5)
+    factory, counts = sql_counting
+    SQLCount.drops = 100
+    async with BrokerClient(shared_broker.address) as client:
+        service, inputs = await _sql_service(client, tmp_path, factory)
+        await _publish_lines(client, inputs, ["drop"])
+        replica = service.replicas["shard-000"]
+        await eventually(lambda: replica.status.code == Code.FAILED, 20, "a failed shard")
+        assert "transaction 1 failed at consume_message" in replica.status.errors[0]
+        assert 100 - SQLCount.drops == 3  # at once, after 1 s and after 2 s
+        assert counts() == {}
+        await service.stop()

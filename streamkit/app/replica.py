@@ -58,6 +58,11 @@ _MAX_FENCES = 3  # times a primary may be fenced and recover again within the wi
 # seconds (a backfill's hand-over done), waiting LOG_QUIET_WAIT at most.
 LOG_QUIET, LOG_QUIET_WAIT = 2.0, 300.0
 _FENCE_WINDOW = 60.0
+# A primary whose store's service is briefly out of reach (`Store.is_transient`) recovers
+# again after a pause, doubling from 1 s up to STORE_RETRY_PAUSE; it fails for good once
+# the errors went on for STORE_RETRY_FOR seconds. A term that served that long before
+# its error starts the count anew.
+STORE_RETRY_PAUSE, STORE_RETRY_FOR = 30.0, 300.0
 # Seconds a primary that took over waits for the others of its process still taking over.
 TAKE_OVER_HOLD = 0.2
 _HINT_CHECK = 1.0  # seconds between checks of whether a primary is due to write hints
@@ -134,6 +139,8 @@ class Replica:
             self._app_error = error
         self.shard = self._new_shard(spec)
         self._fences: list[float] = []  # monotonic times this replica was fenced
+        self._store_errors: list[float] = []  # monotonic times of transient store errors
+        self._term_began: float | None = None  # monotonic time this term became primary
         self.status = consumer_pb.ReplicaStatus(code=Code.IDLE)
         self.changed = asyncio.Event()  # set on every status change
         self.store: Store | None = None
@@ -313,10 +320,13 @@ class Replica:
                     await self._fenced(error)
                 return
             message = f"{type(error).__name__}: {error}" if str(error) else repr(error)
-            where = trace = ""
             if isinstance(error, TransactionFailed | AppInitFailed):
                 # Names the transaction and phase, or the class; this line names the shard.
                 message = error.reason
+            if await self._retried(error, message):
+                return
+            where = trace = ""
+            if isinstance(error, TransactionFailed | AppInitFailed):
                 cause = error.__cause__
                 if cause is not None:
                     # The app's own code raised: its frames say which line (none: streamkit's
@@ -328,6 +338,58 @@ class Replica:
             self._set_status(Code.FAILED, message + where)
             await self._release()
 
+    async def _retried(self, error: BaseException, message: str) -> bool:
+        """Recover again after a pause, if `error` is the store's transient kind and its
+        errors have not gone on for STORE_RETRY_FOR; False to fail the shard instead.
+
+        Exactly-once holds as after a crash: the failed transaction's state was not
+        committed (or, failed at commit, its outcome is read back by the restore)."""
+        store = self.store
+        if store is None or self._stopping.is_set() or not store.is_transient(error):
+            return False
+        now, began = time.monotonic(), self._term_began
+        if began is not None and now - began >= STORE_RETRY_FOR:
+            self._store_errors.clear()  # it served a while since the last ones
+        self._store_errors.append(now)
+        if now - self._store_errors[0] >= STORE_RETRY_FOR:
+            log.error("shard %s: its store's errors went on for %.0fs; giving up", self.id,
+                      now - self._store_errors[0])
+            return False
+        pause = min(STORE_RETRY_PAUSE, 2.0 ** (len(self._store_errors) - 1))
+        log.warning("shard %s: %s; its store seems out of reach for now: recovering again "
+                    "in %.0fs", self.id, message, pause)
+        await self._release()
+        self._set_status(Code.BACKFILL, f"{message} (recovering again in {pause:.0f}s)")
+        await first_of([self._stopping.wait()], pause)
+        if await self._still_primary("its store failed"):
+            self._new_term()
+        return True
+
+    async def _still_primary(self, why: str) -> bool:
+        """Whether to begin a new term as primary (after `why`): still meant to be primary
+        here, and not stopping. Otherwise the replica idles until the Service drops it."""
+        check = self.runtime.is_primary_here
+        if check is not None and not await check(self.id):
+            log.info("shard %s: %s, and no longer primary here; stepping down", self.id, why)
+            self._set_status(Code.IDLE)
+            return False
+        if self._stopping.is_set():
+            # Stopped while the above awaited: `stop` waits for the task it saw, not
+            # for one started now, which would play back into the directory the
+            # shard's next replica here is given.
+            log.info("shard %s: %s, and stopped meanwhile; not recovering", self.id, why)
+            self._set_status(Code.IDLE)
+            return False
+        return True
+
+    def _new_term(self) -> None:
+        """Become primary again from what is durable (the log, the store's database)."""
+        assignment = self.shard.assignment
+        self.shard = self._new_shard(self.shard.spec)
+        self.shard.assignment = assignment
+        self._task = asyncio.create_task(self._guard(self._primary(None)),
+                                         name=f"primary:{self.id}")
+
     async def _fenced(self, error: BaseException) -> None:
         """Another author took over: a new primary elsewhere, or a backfill's hand-over.
 
@@ -337,19 +399,9 @@ class Replica:
         the new author wrote; otherwise it idles until the Service drops it.
         """
         await self._release()
-        check = self.runtime.is_primary_here
         now = time.monotonic()
         self._fences = [t for t in self._fences if now - t < _FENCE_WINDOW] + [now]
-        if check is not None and not await check(self.id):
-            log.info("shard %s: fenced by its new primary; stepping down", self.id)
-            self._set_status(Code.IDLE)
-            return
-        if self._stopping.is_set():
-            # Stopped while the above awaited: `stop` waits for the task it saw, not
-            # for one started now, which would play back into the directory the
-            # shard's next replica here is given.
-            log.info("shard %s: fenced, and stopped meanwhile; not recovering", self.id)
-            self._set_status(Code.IDLE)
+        if not await self._still_primary("fenced"):
             return
         if len(self._fences) > _MAX_FENCES:
             self._set_status(Code.FAILED, f"fenced {len(self._fences)} times within "
@@ -362,11 +414,7 @@ class Replica:
         if self._stopping.is_set():
             self._set_status(Code.IDLE)
             return
-        assignment = self.shard.assignment
-        self.shard = self._new_shard(self.shard.spec)
-        self.shard.assignment = assignment
-        self._task = asyncio.create_task(self._guard(self._primary(None)),
-                                         name=f"primary:{self.id}")
+        self._new_term()
 
     async def _log_quiet(self) -> None:
         """Until the recovery log took no append for LOG_QUIET seconds (at most
@@ -456,6 +504,7 @@ class Replica:
             self._app = self._new_app()
             self.loop = None
         app = self.app  # raises AppInitFailed if the app could not be made with the replica
+        self._term_began = None  # until this term serves
         fs = None
         phases = _Phases()
         with runtime.taking_over.counted():
@@ -503,6 +552,7 @@ class Replica:
         publisher = ShardPublisher(Publisher(shard.appends), shard.output)
         self.loop = TransactionLoop(shard, app, store, publisher, source, hooks)
         self._set_status(Code.PRIMARY)
+        self._term_began = time.monotonic()
         log.info(
             "shard %s: primary, reading %s (%s)",
             shard.id,

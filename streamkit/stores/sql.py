@@ -61,6 +61,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError, NoSuchModuleError
 
 from streamkit.client.append_service import OpFuture
+from streamkit.errors import causes
 from streamkit.protocol import consumer_pb, pb
 from streamkit.stores.store import FencedError, OpenViews, Store, StoreError, context_set
 from streamkit.tasks import finish, on_thread, wait_finished
@@ -371,6 +372,21 @@ class SQLStore(Store):
             self._executor.shutdown(wait=True)
             if self._owns_engine:
                 self._engine.dispose()
+
+    def is_transient(self, error: BaseException) -> bool:
+        """A connection the database dropped or refused (PostgreSQL restarting, a backend
+        terminated, a failover), a deadlock or serialization failure: the driver's
+        OperationalError, which SQLAlchemy also marks `connection_invalidated`. SQLite's
+        OperationalErrors name the app's mistakes too ("no such table"): only a dropped
+        connection counts there."""
+        networked = self._engine.dialect.name != "sqlite"
+        for seen in causes(error):
+            if isinstance(seen, sa.exc.DBAPIError):
+                return seen.connection_invalidated or (
+                    networked and isinstance(seen, sa.exc.OperationalError))
+            if isinstance(seen, sa.exc.PendingRollbackError):  # the app went on after one
+                return self._conn is not None and self._conn.invalidated
+        return False
 
     # --- internals ----------------------------------------------------------
 

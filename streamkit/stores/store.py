@@ -145,6 +145,14 @@ class Store(ABC):
         transaction to end; without one they wait for it and its commit."""
         return None
 
+    def is_transient(self, error: BaseException) -> bool:
+        """Whether `error` (raised by this store, or by the app's statements on it) says the
+        store's backing service was briefly out of reach: a dropped connection, a restart.
+        The shard then recovers again after a pause rather than failing for good; its
+        transaction was not committed (or its outcome is unknown: the restore reads which).
+        Stores of local files have no such errors."""
+        return False
+
     @abstractmethod
     async def destroy(self) -> None:
         """Release the store's resources: uncommitted work is dropped, the store is unusable."""
