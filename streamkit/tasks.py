@@ -21,11 +21,14 @@ from typing import Any, TypeVar
 
 from streamkit.errors import StreamkitError
 
-__all__ = ["Countdown", "cancel_and_wait", "finish", "on_thread", "wait_finished"]
+__all__ = ["Countdown", "cancel_and_wait", "finish", "leave_behind", "left_behind", "on_thread",
+           "wait_finished"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+_LEFT_BEHIND: list[str] = []
 
 
 async def wait_finished(task: asyncio.Future[T], what: str) -> T | None:
@@ -111,3 +114,15 @@ async def on_thread(executor: Executor, fn: Callable[..., T], *args: Any) -> T:
     disk work) rather than the loop's default, which anything may fill."""
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(executor, functools.partial(fn, *args))
+
+
+def leave_behind(what: str) -> None:
+    """Note that this process gave up waiting for `what` (a shard's store, its thread blocked
+    in its database): the process's exit must not wait for it either (`left_behind`)."""
+    if what not in _LEFT_BEHIND:
+        _LEFT_BEHIND.append(what)
+
+
+def left_behind() -> list[str]:
+    """What this process gave up waiting for (`leave_behind`), oldest first."""
+    return list(_LEFT_BEHIND)

@@ -252,6 +252,40 @@ async def test_a_second_interrupt_exits_while_a_commit_waits(broker_proc: Broker
         run.stop()
 
 
+async def test_an_interrupt_exits_though_a_store_stays_blocked(
+        broker_proc: BrokerProcess, tmp_path: Path, postgres_url: str) -> None:
+    """Ctrl-C while the shards' commits are blocked in their database (another session
+    holds a lock): once the stop gave up on them, the command exits. It then waited for
+    the stores' threads at the interpreter's exit, for ever."""
+    import sqlalchemy as sa
+
+    from streamkit.app.replica import STOP_TIMEOUT
+    from tests.test_wordcount import with_sql_url
+
+    app = copy_wordcount(tmp_path / "wordcount")
+    with_sql_url(app, postgres_url)
+    address = broker_proc.address
+    run = run_app(app, address, tmp_path / "run.log")
+    admin = sa.create_engine(postgres_url)
+    try:
+        async with AppView(app, address) as view:
+            await view.wait_serving(timeout=60)
+        with admin.connect() as locker:
+            locker.execute(sa.text("LOCK TABLE streamkit_checkpoints IN ACCESS EXCLUSIVE MODE"))
+            Feeder(app, address, tmp_path / "feed.log", count=400, batch=100,
+                   interval=0).start().finish()
+            await asyncio.sleep(2.0)  # not a synchronisation: the commits under way
+            assert run.alive, run.log()
+            code = await asyncio.to_thread(run.signal, signal.SIGINT, 2 * STOP_TIMEOUT + 30)
+            assert code == 0, run.log()
+            assert "exiting without waiting for what is left behind: shard shard-0" in run.text(), \
+                run.log()
+            locker.rollback()
+    finally:
+        run.stop()
+        admin.dispose()
+
+
 SLOW = """
 class Slow(WordCount):
     async def consume_message(self, shard, store, envelope, publisher) -> None:

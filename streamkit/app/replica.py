@@ -44,7 +44,7 @@ from streamkit.recoverylog.fsm import FSMError, RecoveryLogError
 from streamkit.recoverylog.recorded_fs import RecordedFS
 from streamkit.recoverylog.recovery import Playback
 from streamkit.stores.store import FencedError, Store
-from streamkit.tasks import Countdown, cancel_and_wait, wait_finished
+from streamkit.tasks import Countdown, cancel_and_wait, leave_behind, wait_finished
 
 __all__ = ["AppInitFailed", "Replica", "Runtime"]
 
@@ -228,6 +228,7 @@ class Replica:
             await asyncio.wait_for(self._release(), timeout)
         except TimeoutError:
             log.warning("shard %s: releasing took over %.0fs; left behind", self.id, timeout)
+            leave_behind(f"shard {self.id}")
 
     def abandon(self) -> None:
         """Stop serving at once and commit nothing more: no more queries, the transaction

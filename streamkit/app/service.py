@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from streamkit.app.replica import STOP_TIMEOUT, Replica, Runtime
 from streamkit.app.txn import TransactionFailed, TransactionLoop
 from streamkit.protocol import consumer_pb
+from streamkit.tasks import leave_behind
 
 __all__ = ["Service"]
 
@@ -90,8 +91,9 @@ class Service:
             log.warning("%d shard(s) not stopped within %.1fs (a commit waiting on the "
                         "broker, or on the store's database); left behind, their uncommitted "
                         "transactions abandoned", len(stuck), 2 * timeout + _STOP_MARGIN)
-        for task in stuck:
+        for task in sorted(stuck, key=drops.__getitem__):
             self._left_behind.add(task)
+            leave_behind(f"shard {drops[task]}")
             loop = replicas[drops[task]].loop
             if loop is not None:
                 self._left_behind.add(asyncio.create_task(_outcome(drops[task], loop)))

@@ -25,6 +25,7 @@ from typing import Any, ParamSpec
 import click
 
 from streamkit.errors import StreamkitError
+from streamkit.tasks import left_behind
 
 __all__ = [
     "DATA_ERROR",
@@ -214,9 +215,40 @@ def async_command(
         @functools.wraps(fn)
         def run(*args: P.args, **kwargs: P.kwargs) -> None:
             _configure_logging()
-            with reporting_errors(interrupt_exit):
-                asyncio.run(_stoppable(fn(*args, **kwargs)))
+            try:
+                with reporting_errors(interrupt_exit):
+                    asyncio.run(_stoppable(fn(*args, **kwargs)))
+            except BaseException as ending:
+                _unless_left_behind(ending)
+                raise
+            _unless_left_behind(None)
 
         return run
 
     return decorate
+
+
+def _unless_left_behind(ending: BaseException | None) -> None:
+    """Exit at once, with the command's exit code, if it left work behind on threads (a
+    shard's store blocked in its database, after the stop's timeout): the interpreter's
+    exit joins those threads, and would wait for them for ever."""
+    stuck = left_behind()
+    if not stuck:
+        return
+    code = 0
+    if isinstance(ending, click.ClickException):
+        ending.show()
+        code = ending.exit_code
+    elif isinstance(ending, click.exceptions.Exit):
+        code = ending.exit_code
+    elif isinstance(ending, SystemExit):
+        code = ending.code if isinstance(ending.code, int) else FAILURE
+    elif ending is not None:
+        code = FAILURE
+    sys.stderr.write(f"streamkit: exiting without waiting for what is left behind: "
+                     f"{', '.join(stuck)}\n")
+    logging.shutdown()
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
