@@ -315,20 +315,22 @@ def test_a_restart_while_the_store_cant_be_listed_skips_and_overwrites_nothing(
 
 
 def test_a_store_that_hangs_holds_up_no_other_journal(
-        aws_env: None, tmp_path: Path) -> None:
+        s3_url: str, tmp_path: Path) -> None:
     """An S3 endpoint that takes connections and never answers. Its journals' listings
     (at open) and puts hang; every append to every other journal waited behind them (they
-    held the threads each commit syncs in), for a minute per call."""
+    held the threads each commit syncs in), for a minute per call. Nor does it hold up
+    another S3 endpoint's journals (they shared its threads)."""
     hung = socket.socket()  # the kernel accepts connections; nothing ever answers
     hung.bind(("127.0.0.1", 0))
     hung.listen(64)
     url = f"s3://hung/?endpoint=http://127.0.0.1:{hung.getsockname()[1]}&region=us-east-1"
     broker = BrokerProcess(tmp_path / "broker").start()
-    names = [f"hung/j{n}" for n in range(10)]
+    names = [f"hung/j{n}" for n in range(20)]  # more than an endpoint's threads
     try:
         journals = wire.stub(broker.address)
         wire.create(journals, *(wire.spec(n, length=1024, stores=[url]) for n in names),
-                    wire.spec("fine/local", length=1024, codec=pb.NONE))
+                    wire.spec("fine/local", length=1024, codec=pb.NONE),
+                    wire.spec("fine/s3", length=1024, codec=pb.NONE, stores=[s3_url]))
 
         def append(name: str) -> None:
             with contextlib.suppress(grpc.RpcError):  # the broker is killed meanwhile
@@ -348,6 +350,13 @@ def test_a_store_that_hangs_holds_up_no_other_journal(
         assert content == b"y" * 30000
         wire.wait_until(lambda: sum(bool(f.backing_store)
                                     for f in wire.fragments(journals, "fine/local")) >= 19)
+        started = time.monotonic()
+        for _ in range(3):
+            wire.append(journals, "fine/s3", b"z" * 1500)
+        wire.wait_until(lambda: sum(bool(f.backing_store)
+                                    for f in wire.fragments(journals, "fine/s3")) >= 2,
+                        timeout=20)
+        assert time.monotonic() - started < 20
     finally:
         broker.kill()
         hung.close()

@@ -31,9 +31,10 @@ __all__ = ["S3Store"]
 
 T = TypeVar("T")
 
-# S3 calls run on threads of their own (see FragmentStore.in_thread), and give up on an
-# endpoint that accepts but never answers.
-_THREADS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="s3-store")
+# S3 calls run on threads of their own (see FragmentStore.in_thread), a pool per endpoint,
+# so that one that accepts but never answers holds up no other; they give up on it.
+_THREADS_PER_ENDPOINT = 16
+_POOLS: dict[str, ThreadPoolExecutor] = {}
 _CONNECT_TIMEOUT, _READ_TIMEOUT = 5.0, 30.0  # seconds
 
 _ERRORS = (BotoCoreError, ClientError, S3UploadFailedError)  # the last from upload_file
@@ -45,6 +46,15 @@ _UPLOAD_ARGS = {
     "sse": "ServerSideEncryption",
     "ssekmskeyid": "SSEKMSKeyId",
 }
+
+
+def _pool(endpoint: str) -> ThreadPoolExecutor:
+    """The threads of calls to `endpoint` (a URL, or AWS's region), made on first use."""
+    pool = _POOLS.get(endpoint)
+    if pool is None:
+        pool = _POOLS[endpoint] = ThreadPoolExecutor(max_workers=_THREADS_PER_ENDPOINT,
+                                                     thread_name_prefix="s3-store")
+    return pool
 
 
 def _error_code(e: ClientError) -> str:
@@ -80,6 +90,7 @@ class S3Store(FragmentStore):
                 profile_name=args.get("profile") or None, region_name=args.get("region") or None
             )
             self._client = session.client("s3", endpoint_url=endpoint, config=config)
+        self._threads = _pool(endpoint or f"aws:{session.region_name}")
 
     def _key(self, f: pb.Fragment) -> str:
         return self.prefix + content_path(f)
@@ -94,7 +105,7 @@ class S3Store(FragmentStore):
         return await self.in_thread(self._list, journal, postfix_template)
 
     async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        return await on_thread(_THREADS, fn, *args)
+        return await on_thread(self._threads, fn, *args)
 
     def _list(self, journal: str, postfix_template: str | None) -> list[pb.Fragment]:
         prefix = f"{self.prefix}{journal}/"
