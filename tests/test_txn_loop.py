@@ -352,12 +352,29 @@ async def test_max_duration_closes_while_messages_keep_coming(run_loop: Any) -> 
     h.input.committed(*range(200))
     await until(lambda: sum(map(len, h.app.consumed.values())) == 200, "everything consumed")
     await until(lambda: len(h.store.commits) == 4, "the last commit")
-    # The clock is looked at every _CHECK_EVERY messages: the first look at or past the
-    # max duration (64 messages) closes, though more messages are at hand.
+    # The clock is looked at between runs of messages: 1, 2, 4, then 8 (as many as take
+    # an eighth of the max duration): the first look at or past it closes (at message 71,
+    # then after 64 more), though more messages are at hand.
     assert _CHECK_EVERY == 16
-    assert [len(c.messages) for c in h.store.commits] == [64, 64, 64, 8]
-    assert [c.at for c in h.store.commits] == [1.0, 2.0, 3.0, 3.125]
-    assert h.app.began == {1: 0.0, 2: 1.0, 3: 2.0, 4: 3.0}
+    assert [len(c.messages) for c in h.store.commits] == [71, 64, 64, 1]
+    assert [c.at for c in h.store.commits] == [71 * step, 135 * step, 199 * step, 200 * step]
+    assert h.app.began == {1: 0.0, 2: 71 * step, 3: 135 * step, 4: 199 * step}
+
+
+async def test_a_slow_app_looks_at_the_clock_after_each_message(run_loop: Any) -> None:
+    """Hooks taking half the max duration: each transaction closes after two messages. It
+    took up to _CHECK_EVERY messages before looking (8 s instead of 1 s), and a stop
+    request waited as long."""
+    h = await run_loop(max_txn=1.0, hold=False)
+
+    def slow(n: int) -> None:
+        h.clock.advance_to(h.clock.time + 0.5)
+
+    h.app.on_consume = slow
+    h.input.committed(*range(12))
+    await until(lambda: len(h.store.commits) == 6, "the last commit")
+    assert [len(c.messages) for c in h.store.commits] == [2] * 6
+    assert [c.at for c in h.store.commits] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
 
 
 # --- waiting for ACKs -------------------------------------------------------------------

@@ -79,12 +79,14 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _YIELD_EVERY = 256  # messages consumed between yields to the event loop (reads, commits)
-# Messages consumed between looks at the clock and at a stop request: often enough that a
-# slow application's transactions still end near max_duration.
+# Messages consumed between looks at the clock and at a stop request, at most: runs are
+# shorter while the app is slow (`_paced`), so that its transactions still end near
+# max_duration, and a stop is seen soon.
 _CHECK_EVERY = 16
 # At most this many messages go to one call of a batch hook (consume_messages); the clock
 # and a stop request are looked at between calls.
 _BATCH = 2048
+_RUN_SHARE = 8  # a run should take at most 1/_RUN_SHARE of max_duration
 _YIELD_AFTER = 0.02  # seconds of consuming after which the loop yields regardless of count
 
 
@@ -196,7 +198,8 @@ class TransactionLoop:
         batch = None if self.policies.passes_over_consume_errors else batch_hook(app)
         self._batch = batch
         self._async_batch = batch is not None and inspect.iscoroutinefunction(batch)
-        self._run_limit = _CHECK_EVERY if batch is None else _BATCH
+        self._max_run = _CHECK_EVERY if batch is None else _BATCH
+        self._run_limit = 1  # the next run's length: grows while runs are quick (`_paced`)
         self.hooks.consume_hook = "consume_message" if batch is None else "consume_messages"
         self.hooks.consume_async = self._async_consume if batch is None else self._async_batch
         self._poison = PoisonGate(shard.id, self.policies, publisher)
@@ -287,7 +290,7 @@ class TransactionLoop:
     async def _transaction(self, run: list[Envelope], stopping: asyncio.Event) -> None:
         """One transaction, from its first message(s) `run` until its commit started."""
         await self._begin()
-        source, poll_run, limit = self.source, self.source.poll_run, self._run_limit
+        source, poll_run = self.source, self.source.poll_run
         min_duration, max_duration = self.min_duration, self.max_duration
         count = 0
         while True:
@@ -315,7 +318,7 @@ class TransactionLoop:
             ):
                 break
             await self._wait_for_more(elapsed, committing, stopping)
-            run = poll_run(limit)
+            run = poll_run(self._run_limit)
         await self._await_previous_commit()
         self.metrics.consumed.observe(self.clock.now() - self._started)
         self.metrics.messages.inc(count - self._skipped)
@@ -337,20 +340,27 @@ class TransactionLoop:
 
         Returns the transaction's message count so far, and whether it must
         close. Runs are at most _CHECK_EVERY messages for consume_message and
-        _BATCH for a batch hook: the clock and the stop request are looked at
-        between runs, and nothing else is called per message.
+        _BATCH for a batch hook, fewer while the app is slow (`_paced`): the clock
+        and the stop request are looked at between runs, and nothing else is
+        called per message.
         """
-        poll_run, limit, now = self.source.poll_run, self._run_limit, self.clock.now
+        poll_run, now, limit = self.source.poll_run, self.clock.now, self._run_limit
         started, next_yield = self._started, count + _YIELD_EVERY
         min_duration, max_duration = self.min_duration, self.max_duration
+        # The pace at which a run of the most messages still fits its share (`_paced`).
+        quick, most = max_duration / (_RUN_SHARE * self._max_run), self._max_run
         self._phase = "read"  # what fails outside the consume hooks is the input (poll)
         while run:
+            began = now()
             if self._batch is not None and type(run[0].message) is not BadFrame:
                 await self._consume_batch(run)
             else:
                 await self._consume_each(run)
-            count += len(run)
+            ran = len(run)
+            count += ran
             t = now()
+            if limit != most or t - began > ran * quick:  # else: stays the most
+                limit = self._paced(ran, t - began)
             if count >= next_yield or t - self._yielded > _YIELD_AFTER:
                 # Yield by count and by time: a slow application must not starve
                 # reads, commits, other shards, or the member's lease keepalive.
@@ -369,6 +379,16 @@ class TransactionLoop:
                 return count, True
             run = poll_run(limit)
         return count, False
+
+    def _paced(self, ran: int, took: float) -> int:
+        """The next run's length, from the last one's pace: as many messages as fit in
+        1/_RUN_SHARE of max_duration (one, for hooks taking tenths of a second), at most
+        twice the last run's limit (it grows back quickly), and at most the most."""
+        limit = min(self._max_run, 2 * self._run_limit)
+        if took > 0:
+            limit = max(1, min(limit, int(ran * self.max_duration / (_RUN_SHARE * took))))
+        self._run_limit = limit
+        return limit
 
     async def _consume_each(self, run: list[Envelope]) -> None:
         """consume_message for each envelope of `run`, passing over poison ones by policy."""
