@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import urllib.error
 from pathlib import Path
 from typing import Any
@@ -156,9 +157,11 @@ async def test_app_errors_fail_their_shard_and_name_the_apps_line(
 
             codes = await eventually(all_failed, 30, "the other shards to fail")
             line = _line_of(app_py, "CONSUME")
-            assert codes[poisoned][1].endswith(
-                f"failed at consume_message: RuntimeError: user code blew up on {poison} "
-                f"(at app.py:{line})"), codes
+            assert re.search(
+                rf"failed at consume_message on the message at {view.sources_of(poisoned)[0]} "
+                rf"offset \d+: "
+                rf"RuntimeError: user code blew up on {poison} \(at app.py:{line}\)$",
+                codes[poisoned][1]), codes
             logged = _logged(run, f"shard {poisoned} failed: transaction")
             assert logged[1] == "Traceback of the application's code (most recent call last):"
             assert logged[2] == f'  File "{app_py}", line {line}, in consume_message', logged[:6]

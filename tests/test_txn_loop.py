@@ -483,7 +483,7 @@ async def test_a_failure_names_the_shard_the_transaction_and_the_phase(run_loop:
     error = await failure(h)
     assert isinstance(error, TransactionFailed) and isinstance(error, StreamkitError)
     assert (error.shard, error.number, error.phase) == (SHARD, 2, "consume_message")
-    phase = "transaction 2 failed at consume_message"
+    phase = f"transaction 2 failed at consume_message on the message at {JOURNAL} offset 20"
     assert str(error) == f"shard {SHARD}: {phase}: ValueError: cannot count 3"
     assert isinstance(error.__cause__, ValueError)
 

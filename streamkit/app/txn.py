@@ -129,12 +129,15 @@ class TransactionFailed(StreamkitError):
     shard's input, including a poison frame it can't pass over), an
     application hook ("begin_txn", "consume_message" or "consume_messages", "finalize_txn",
     "finished_txn"), "commit" (checkpointing and the store's commit) or "ack"
-    (appending the transaction's ACKs). `reason` is the message without the shard.
+    (appending the transaction's ACKs). `reason` is the message without the shard;
+    `message`, where one message raised, names it (its journal and offset).
     """
 
-    def __init__(self, shard: str, number: int, phase: str, error: BaseException) -> None:
+    def __init__(self, shard: str, number: int, phase: str, error: BaseException,
+                 message: str = "") -> None:
         text = f"{type(error).__name__}: {error}" if str(error) else repr(error)
-        self.reason = f"transaction {number} failed at {phase}: {text}"
+        on = f" on {message}" if message else ""
+        self.reason = f"transaction {number} failed at {phase}{on}: {text}"
         super().__init__(f"shard {shard}: {self.reason}")
         self.shard, self.number, self.phase = shard, number, phase
 
@@ -472,8 +475,11 @@ class TransactionLoop:
     def _pass_over_or_fail(self, env: Envelope, error: Exception) -> None:
         """A poison message: pass over it as its source's policy says, or fail naming it."""
         if not self._poison.pass_over(env, error):
-            phase = "read" if type(env.message) is BadFrame else "consume_message"
-            raise TransactionFailed(self.shard.id, self._number, phase, error) from error
+            if type(env.message) is BadFrame:  # its error names journal and offset
+                raise TransactionFailed(self.shard.id, self._number, "read", error) from error
+            raise TransactionFailed(self.shard.id, self._number, "consume_message", error,
+                                    f"the message at {env.journal} offset {env.begin}"
+                                    ) from error
         self._skipped += 1
 
     async def _acknowledged(
