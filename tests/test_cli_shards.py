@@ -153,6 +153,10 @@ def test_list_finds_the_keyspace_or_explains(app: AppConfig, tmp_path: Path) -> 
     # --keyspace without --root takes the root from the app folder's streamkit.yaml.
     assert len(json.loads(ok("list", "--app", str(app.app_dir), "--keyspace", keyspace,
                              "-o", "json"))) == 2
+    empty = shards("list", "--app", str(other), "--keyspace", keyspace, "--root",
+                   "/gazette/consumers/typo")
+    assert empty.exit_code == 0 and empty.stdout.count("\n") == 1, empty.stdout  # the header
+    assert "no shards under /gazette/consumers/typo in this KeySpace" in empty.stderr
     assert "--keyspace needs --root" in fails("list", "--app", str(other), "--keyspace",
                                               keyspace, code=2)
     assert "is this an app folder" in fails("list", "--app", str(other), code=2)

@@ -244,6 +244,10 @@ async def list_cmd(selector: str, output: str, app_dir: Path, keyspace_url: str 
     parsed = parse_selector(selector)
     async with reached(app_dir, keyspace_url, root, consumer, security) as access:
         listed = list((await access.list(parsed)).shards)
+        if not listed and not selector and isinstance(access, KeySpaceShards):
+            # An empty list in a KeySpace shared by several apps: likely a typo in its URL.
+            warn(f"no shards under {access.root} in this KeySpace: is the app deployed "
+                 "there (is --keyspace's prefix right)?")
     if output == "yaml":
         entries = [ShardEntry(ShardSpecModel.from_proto(s.spec), s.mod_revision) for s in listed]
         click.echo(dump_shard_specs(entries), nl=False)
