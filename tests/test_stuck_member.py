@@ -23,7 +23,7 @@ import time
 
 class StuckFinalize(WordCount):
     def finalize_txn(self, shard, store, publisher) -> None:
-        (pathlib.Path(__file__).parent / "stuck").touch()
+        (pathlib.Path(__file__).parent / "stuck").write_text(shard.id)
         time.sleep(10**9)
 """
 
@@ -42,7 +42,7 @@ def _http(url: str, body: bytes | None = None) -> tuple[int, dict | list]:
 
 async def test_a_member_stuck_in_a_hook_stays_reachable(
         broker_proc: BrokerProcess, tmp_path: Path) -> None:
-    app = copy_wordcount(tmp_path / "wordcount", shards=1)
+    app = copy_wordcount(tmp_path / "wordcount", shards=2)
     _app_variant(app, "StuckFinalize", STUCK_FINALIZE)
     config = app / "streamkit.yaml"
     config.write_text(config.read_text().replace(
@@ -52,14 +52,16 @@ async def test_a_member_stuck_in_a_hook_stays_reachable(
     try:
         async with AppView(app, address) as view:
             serving = await view.wait_serving(timeout=60)
-            endpoint = serving["shard-000"]
-            member = (await view.state()).primary_of("shard-000").member  # type: ignore[union-attr]
             Feeder(app, address, tmp_path / "feed.log", count=20, interval=0).start().finish()
             await eventually(lambda: (app / "stuck").exists(), 60, "a stuck finalize_txn")
+            stuck = (app / "stuck").read_text()
+            (other,) = {"shard-000", "shard-001"} - {stuck}
+            endpoint = serving[stuck]
+            member = (await view.state()).primary_of(stuck).member  # type: ignore[union-attr]
             # Blocked for several lease TTLs: the lease must still be held.
             await asyncio.sleep(4 * LEASE_TTL)  # what is tested: time passing while stuck
             # (Read from the KeySpace: the member's gRPC Stat runs on its blocked loop.)
-            primary = (await view.state()).primary_of("shard-000")
+            primary = (await view.state()).primary_of(stuck)
             assert primary is not None and primary.member == member, run.log()
             assert primary.code == Code.PRIMARY, run.log()
 
@@ -67,14 +69,21 @@ async def test_a_member_stuck_in_a_hook_stays_reachable(
             base = f"http://{host}:{int(port) + 1}"
             status, replicas = await asyncio.to_thread(_http, f"{base}/status")
             assert status == 200, replicas
-            assert [(r["id"], r["status"]) for r in replicas] == [("shard-000", "PRIMARY")]
+            assert [(r["id"], r["status"]) for r in replicas] == [
+                ("shard-000", "PRIMARY"), ("shard-001", "PRIMARY")]
 
             status, answer = await asyncio.to_thread(
-                _http, f"{base}/query/shard-000", b'{"word": "w1"}')
+                _http, f"{base}/query/{stuck}", b'{"word": "w1"}')
             assert status == 503, answer
             assert "did not answer within 2s" in answer["error"], answer
             assert "finalize_txn" in answer["error"], answer
-            await eventually(lambda: "shard-000: finalize_txn has run for" in run.text(), 30,
+            # The other shard waits on the same loop: its answer names the one holding it.
+            status, answer = await asyncio.to_thread(
+                _http, f"{base}/query/{other}", b'{"word": "w1"}')
+            assert status == 503, answer
+            assert f"shard {stuck} of the same member is running finalize_txn" in \
+                answer["error"], answer
+            await eventually(lambda: f"{stuck}: finalize_txn has run for" in run.text(), 30,
                              "the watchdog's warning")
     finally:
         if run.alive:

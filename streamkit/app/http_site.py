@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import socket
+from collections.abc import Iterable
 from typing import Any
 
 from streamkit.app.application import QueryError
@@ -107,7 +108,7 @@ class Handlers:
         except TimeoutError:
             answering.cancel()
             return _error(503, f"shard {shard} did not answer within {self.query_timeout:g}s"
-                          f"{_stuck_in(replica)}")
+                          f"{_stuck_in(replica, list(self.service.replicas.values()))}")
         if status != 200:
             return _error(status, text)
         return Response(body=text.encode(), content_type="application/json")
@@ -151,10 +152,17 @@ async def _answer(replica: Replica, body: dict[str, Any]) -> tuple[int, str]:
         return 500, f"the query's answer is not JSON-serializable: {err}"
 
 
-def _stuck_in(replica: Replica) -> str:
-    """What a 503 adds when the shard is running a hook right now (likely the stuck one)."""
+def _stuck_in(replica: Replica, replicas: Iterable[Replica]) -> str:
+    """What a 503 adds when the shard is running a hook right now (likely the stuck one),
+    or else another shard of the member runs a plain hook, which holds every shard's loop."""
     hook = replica.running_hook()
-    return "" if hook is None else f" (it is running {hook}: see the member's log for where)"
+    if hook is not None:
+        return f" (it is running {hook}: see the member's log for where)"
+    for other in replicas:
+        if other is not replica and (hook := other.running_hook(holding_the_loop=True)):
+            return (f" (shard {other.id} of the same member is running {hook}, which holds "
+                    "every shard of the member: see the member's log for where)")
+    return ""
 
 
 async def start_site(

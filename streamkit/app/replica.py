@@ -281,14 +281,18 @@ class Replica:
             self._queries.discard(hooks)
             watchdog.unwatch(hooks)
 
-    def running_hook(self) -> str | None:
+    def running_hook(self, holding_the_loop: bool = False) -> str | None:
         """The hook this shard runs right now, if any: a query's in a committed view
         first (one beside the transaction that outlasts its timeout is the likely stuck
-        one), else the transaction loop's (which also runs the queries that wait for it)."""
+        one), else the transaction loop's (which also runs the queries that wait for it).
+        `holding_the_loop`: only a plain (not async) hook, which blocks every shard of the
+        process while it runs."""
         records = [*self._queries, *([self.loop.hooks] if self.loop is not None else [])]
         for record in records:
-            if record.current is not None:
-                return record.describe(record.current)[0]
+            if (current := record.current) is not None:
+                hook, is_async, _, _ = record.describe(current)
+                if not (holding_the_loop and is_async):
+                    return hook
         return None
 
     async def _answer(self, hooks: HookRecord, store: Store, request: dict[str, object]
