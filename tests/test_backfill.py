@@ -10,12 +10,14 @@ One SparkContext serves the whole module.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import json
 import logging
 import os
 import pickle
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -29,6 +31,7 @@ import pytest
 
 from streamkit.app.config import AppConfig, load_config
 from streamkit.app.member import Member, MemberOptions, deploy
+from streamkit.app.txn import TransactionFailed
 from streamkit.backfill.errors import BackfillError
 from streamkit.backfill.plan import BackfillPlan, cover, make_plan
 from streamkit.backfill.source import merge_by_time
@@ -804,6 +807,51 @@ async def test_cli_plan_and_clear_errors(broker_proc: BrokerProcess, tmp_path: P
     assert sum(int(row[1]) for row in results if row[1].isdigit()) == 50  # each line once
 
 
+MISCONFIGURED = """
+
+class Misconfigured(WordCount):
+    async def finalize_txn(self, shard, store, publisher) -> None:
+        if shard.id == "shard-003":
+            publisher.publish("nosuchtopic", {"word": "oops"})  # FAILS HERE
+        await super().finalize_txn(shard, store, publisher)
+"""
+
+
+async def test_cli_names_the_hook_the_line_and_the_shards_left(broker_proc: BrokerProcess,
+                                                              tmp_path: Path) -> None:
+    """An app's hook failing a `--processes` backfill is reported as a live shard's failure
+    is (the transaction, the hook, the app's file:line; its frames logged, no traceback of
+    streamkit's), and the shards handed over before it, and those not, are named. Before,
+    the error named neither the hook nor the line, and the note named no shard."""
+    app = copy_wordcount(tmp_path / "app")
+    setup = await Setup.start(app, broker_proc)
+    try:
+        await publish(setup, "wordcount/lines", [{"id": i, "line": "a b"} for i in range(80)])
+    finally:
+        await setup.close()
+    (app / "app.py").write_text((app / "app.py").read_text() + MISCONFIGURED)
+    (app / "streamkit.yaml").write_text((app / "streamkit.yaml").read_text().replace(
+        "app:WordCount", "app:Misconfigured"))
+    lines = (app / "app.py").read_text().splitlines()
+    line = next(number for number, text in enumerate(lines, 1) if "FAILS HERE" in text)
+    failed = await asyncio.to_thread(
+        _cli, str(app), "--processes", "2", "--broker", broker_proc.address, "--keyspace",
+        str(app / "keyspace.db"), "--fragment-root", str(broker_proc.data_dir / "fragments"))
+    assert failed.returncode == 1, failed.stderr
+    assert ("streamkit: error: shard shard-003: transaction 1 failed at finalize_txn: "
+            "ConfigError: ") in failed.stderr, failed.stderr
+    assert f"is neither a source nor an output (add it to outputs) (at app.py:{line})" in (
+        failed.stderr)
+    assert f'app.py", line {line}, in finalize_txn' in failed.stderr, failed.stderr
+    assert "Traceback (most recent call last)" not in failed.stderr, failed.stderr
+    note = re.search(r"handed over (\d+) of 8 shards: (.*?)(?: \(.*?\))?; not finished: "
+                     r"(.*?); running the same `streamkit backfill` again is safe", failed.stderr)
+    assert note, failed.stderr
+    handed = [] if note[2] == "none" else note[2].split(", ")
+    assert len(handed) == int(note[1]) and "shard-003" in note[3].split(", "), failed.stderr
+    assert sorted(handed + note[3].split(", ")) == [f"shard-{i:03d}" for i in range(8)]
+
+
 def _poisoned_app(folder: Path, name: str, policies: str) -> Path:
     app = copy_wordcount(folder)
     source = (app / "app.py").read_text() + "\n" + POISONED
@@ -818,26 +866,30 @@ def _poisoned_app(folder: Path, name: str, policies: str) -> Path:
 async def test_poison_is_passed_over_as_a_live_shard_would(broker_proc: BrokerProcess,
                                                           tmp_path: Path) -> None:
     """The backfill applies the sources' poison policies as the live shards do: a message
-    consume_message raises on is dead-lettered (on_consume_error: dead-letter) and a frame
-    that doesn't decode is skipped (on_undecodable: skip); under the default policy the
-    same history fails the backfill, naming the message. Before, the backfill failed on
-    the first and dropped the second silently, whatever the policies said."""
+    consume_message raises on and a frame that doesn't decode are dead-lettered (under
+    `dead-letter`, as docs/concepts/messages.md says); under the default policy the same
+    history fails the backfill, naming the transaction, the hook and the message, or the
+    read and the frame. Before, the backfill failed on the first and dropped the second
+    silently, whatever the policies said."""
     from streamkit.backfill.task import run_shard
 
     lines = [{"id": i, "line": "poison pill" if i % 50 == 7 else f"w{i % 13} common"}
              for i in range(400)]
     expected = Counter(w for m in lines if "poison" not in m["line"] for w in m["line"].split())
+    failures = {"strict": r"failed at consume_message on the message at strict/lines/part-.* "
+                          r"ValueError: cannot count line",
+                "frames": r"failed at read: FrameError: .*frames/lines/part-003"}
     for name, policies in (("lenient", "    on_consume_error: dead-letter\n"
-                                       "    on_undecodable: skip\n"),
-                           ("strict", "")):
+                                       "    on_undecodable: dead-letter\n"),
+                           ("strict", ""), ("frames", "    on_consume_error: skip\n")):
         setup = await Setup.start(_poisoned_app(tmp_path / name, name, policies), broker_proc)
         try:
             await publish(setup, f"{name}/lines", lines)
             async with AppendService(setup.client) as service:  # a frame that isn't JSON
                 await (await service.append(f"{name}/lines/part-003", b"{not json\n"))
             plan = await setup.plan()
-            if name == "strict":
-                with pytest.raises(ValueError, match="cannot count line"):
+            if name in failures:
+                with pytest.raises(TransactionFailed, match=failures[name]):
                     for index in range(len(plan.shards)):
                         await run_shard(plan, index)
                 continue
@@ -845,8 +897,10 @@ async def test_poison_is_passed_over_as_a_live_shard_would(broker_proc: BrokerPr
                 await run_shard(plan, index)
             assert totals_of_updates(await read_output(setup, f"{name}/counts")) == expected
             letters = await read_journals(setup.client, [f"{name}/dead-letters"])
-            assert sorted(letter["message"]["id"] for letter in letters) == [
-                m["id"] for m in lines if "poison" in m["line"]]
-            assert {letter["cause"] for letter in letters} == {"consume-error"}
+            assert sorted(letter["message"]["id"] for letter in letters if "message" in letter
+                          ) == [m["id"] for m in lines if "poison" in m["line"]]
+            (frame,) = [letter for letter in letters if letter["cause"] == "undecodable"]
+            assert base64.b64decode(frame["raw"]) == b"{not json\n", frame
+            assert len(letters) == 1 + sum("poison" in m["line"] for m in lines)
         finally:
             await setup.close()

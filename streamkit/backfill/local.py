@@ -5,12 +5,18 @@ start before the first task runs), `streamkit backfill --processes N` runs
 the very same task (`task.run_shard_task`) for every shard in a pool of N
 fresh Python processes, largest shard first, and hands each shard over as
 it finishes, exactly as a Spark task does.
+
+The pool's processes die with the command (Linux's parent-death signal, as
+`streamkit run`'s children do): one that outlived a command killed outright
+would hand its shard over after the command had given up on it, fencing a
+live primary, and then wait for more tasks for ever.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import signal
 import sys
 import threading
@@ -24,6 +30,7 @@ from streamkit.backfill.plan import BackfillPlan, largest_first
 from streamkit.backfill.spark import SparkProgress
 from streamkit.backfill.task import run_shard_task
 from streamkit.errors import StreamkitError
+from streamkit.parent_death import die_with_parent
 
 _CANCEL_POLL = 0.1  # seconds between looks at the cancel event while tasks run
 
@@ -34,10 +41,14 @@ class Cancelled(StreamkitError):
 
 def run_locally(plan: BackfillPlan, processes: int,
                 progress: Callable[[SparkProgress], None] | None = None,
-                cancelled: threading.Event | None = None) -> list[dict[str, Any]]:
+                cancelled: threading.Event | None = None,
+                handed_over: Callable[[dict[str, Any]], None] | None = None,
+                ) -> list[dict[str, Any]]:
     """Backfill every shard of `plan` in `processes` local processes; the shards' results
-    (ShardResult dicts), in the plan's order. The first task to fail stops the rest
-    (shards handed over already keep their backfilled state) and is raised.
+    (ShardResult dicts), in the plan's order. The first task to fail is raised once the
+    tasks already running end (shards handed over keep their backfilled state; those not
+    started are not). `handed_over` gets each shard's result as it is handed over, also
+    on the way to an error: what the user is told is done and what is not.
 
     Setting `cancelled` (from another thread) terminates the processes at once and raises
     Cancelled: a task stopped before its hand-over leaves its shard as it was, and what
@@ -50,10 +61,17 @@ def run_locally(plan: BackfillPlan, processes: int,
     # Fresh interpreters ("spawn"): this process has gRPC channels, which forking would race.
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max(1, min(processes, len(order))), mp_context=context,
-                             initializer=_leave_interrupts_to_the_parent) as pool:
+                             initializer=_tie_to_the_parent, initargs=(os.getpid(),)) as pool:
         with _without_app_folders():  # the pool's processes start within the submits
             pending: dict[Future[dict[str, Any]], int] = {
                 pool.submit(run_shard_task, plan, index): index for index in order}
+
+        def finished(future: Future[dict[str, Any]]) -> None:
+            index = pending.pop(future)
+            results[index] = future.result()
+            if handed_over is not None:
+                handed_over(results[index])
+
         try:
             while pending:
                 done, _ = wait(pending, timeout=_CANCEL_POLL, return_when=FIRST_COMPLETED)
@@ -61,22 +79,29 @@ def run_locally(plan: BackfillPlan, processes: int,
                     _terminate(pool)
                     raise Cancelled("the backfill was cancelled")
                 for future in done:
-                    results[pending.pop(future)] = future.result()
+                    finished(future)
                 if progress is not None and done:
                     running = min(len(pending), processes)
                     progress(SparkProgress(len(order), len(results), running, 0,
                                            time.monotonic() - started))
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
+            for future in list(pending):  # ended meanwhile: handed over too
+                if future.done() and not future.cancelled() and future.exception() is None:
+                    finished(future)
             raise
     return [results[index] for index in range(len(order))]
 
 
-def _leave_interrupts_to_the_parent() -> None:
-    """In a pool process: ignore SIGINT. A terminal's Ctrl-C reaches the whole process group;
-    the command stops its processes itself (`cancelled`), and a task interrupted on its own
-    would only print a traceback over the command's output first."""
+def _tie_to_the_parent(parent: int) -> None:
+    """In a pool process: die with the command `parent` (see the module docstring), and
+    ignore SIGINT. A terminal's Ctrl-C reaches the whole process group; the command stops
+    its processes itself (`cancelled`), and a task interrupted on its own would only print
+    a traceback over the command's output first."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+    if os.getppid() != parent:  # it died before we asked: no signal is coming
+        os._exit(1)
 
 
 def _terminate(pool: ProcessPoolExecutor) -> None:

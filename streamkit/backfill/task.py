@@ -52,13 +52,14 @@ from streamkit.app.application import Application, batch_hook
 from streamkit.app.checkpoints import build_checkpoint, producer_states, start_offsets
 from streamkit.app.config import AppConfig
 from streamkit.app.gc_tuning import tune_for_throughput
-from streamkit.app.loader import forget_app_modules
+from streamkit.app.loader import app_location, app_traceback, forget_app_modules
 from streamkit.app.poison import PoisonGate, PoisonPolicies, consume_each
 from streamkit.app.publishing import ShardPublisher
+from streamkit.app.replica import AppInitFailed
 from streamkit.app.shard import Shard
 from streamkit.app.sources import BadFrame
 from streamkit.app.store_kinds import build_store, records_to_log
-from streamkit.app.txn import awaitable_hook, reappend_ack_intents
+from streamkit.app.txn import TransactionFailed, awaitable_hook, reappend_ack_intents
 from streamkit.backfill.errors import BackfillError
 from streamkit.backfill.handover import hand_over
 from streamkit.backfill.plan import BackfillPlan, ShardPlan
@@ -108,7 +109,10 @@ class TransactionRunner:
     `replay(journal, begin, end)` gives batches of an earlier range again,
     for committed transactions the Sequencer's ring no longer holds. A
     transaction ends after `max_duration` seconds or, if `txn_size` is not
-    0, after exactly that many messages.
+    0, after exactly that many messages. A failure is raised as the live
+    runtime's TransactionFailed, naming the transaction and its phase (the
+    app's hook that raised, "commit", or "read"): the user's clue to which
+    of their hooks to look at.
     """
 
     def __init__(
@@ -139,6 +143,7 @@ class TransactionRunner:
         self.transactions = 0
         self.checkpoint = consumer_pb.Checkpoint()
         self._in_txn = 0  # messages consumed by the open transaction (0: none is open)
+        self._phase = "read"  # a hook's name while it runs, for TransactionFailed
         self._begin = awaitable_hook(app.begin_txn)
         self._finalize = awaitable_hook(app.finalize_txn)
         self._finished = awaitable_hook(app.finished_txn)
@@ -151,6 +156,19 @@ class TransactionRunner:
 
     async def run(self, batches: AsyncIterator[list[Envelope]]) -> consumer_pb.Checkpoint:
         """Consume every batch, then commit the last transaction; the final Checkpoint.
+
+        Raises TransactionFailed, or a BackfillError as it is (it says what to fix).
+        """
+        try:
+            return await self._run(batches)
+        except (TransactionFailed, BackfillError):
+            raise
+        except Exception as error:
+            raise TransactionFailed(self.shard.id, self.transactions + 1, self._phase,
+                                    error) from error
+
+    async def _run(self, batches: AsyncIterator[list[Envelope]]) -> consumer_pb.Checkpoint:
+        """`run`'s loop.
 
         Runs of messages that commit alone (a committed history: OUTSIDE_TXN
         messages) are sequenced in bulk and consumed as lists; any other
@@ -213,20 +231,32 @@ class TransactionRunner:
         bulk hold dict messages only.)"""
         shard, store, publisher = self.shard, self.store, self.publisher
         if self._batch is not None and type(envelopes[0].message) is not BadFrame:
+            self._phase = "consume_messages"
             result = self._batch(shard, store, envelopes, publisher)
             if inspect.isawaitable(result):
                 await result
-            return
-        await consume_each(self.app, shard, store, publisher, envelopes, self._async_consume,
-                           self._pass_over_or_fail)
+        else:
+            self._phase = "consume_message"
+            await consume_each(self.app, shard, store, publisher, envelopes,
+                               self._async_consume, self._pass_over_or_fail)
+        self._phase = "read"
 
     def _pass_over_or_fail(self, env: Envelope, error: Exception) -> None:
-        if not self._poison.pass_over(env, error):
-            raise error
+        """A poison message: pass over it as its source's policy says, or fail naming it
+        (as the live shard does: a frame that doesn't decode fails the read)."""
+        if self._poison.pass_over(env, error):
+            return
+        number = self.transactions + 1
+        if type(env.message) is BadFrame:  # its error names journal and offset
+            raise TransactionFailed(self.shard.id, number, "read", error) from error
+        raise TransactionFailed(self.shard.id, number, "consume_message", error,
+                                f"the message at {env.journal} offset {env.begin}") from error
 
     async def _start_txn(self) -> None:
         self._deadline = time.monotonic() + self.max_duration
+        self._phase = "begin_txn"
         await self._begin(self.shard, self.store)
+        self._phase = "read"
         self.publisher.publisher.clock.update()
 
     async def _replayed_span(self) -> None:
@@ -260,7 +290,9 @@ class TransactionRunner:
         shard, store, publisher = self.shard, self.store, self.publisher
         consumed = self._in_txn
         if consumed:
+            self._phase = "finalize_txn"
             await self._finalize(shard, store, publisher)
+        self._phase = "commit"
         for intent in publisher.publisher.build_ack_intents():
             self.acks[intent.journal] = intent.content
         cp = build_checkpoint(self.sequencer, ())
@@ -271,8 +303,11 @@ class TransactionRunner:
             cp.ack_intents[journal] = content
         commit = await store.start_commit(shard.id, cp, shard.appends.pending_except(""))
         if consumed:
+            self._phase = "finished_txn"
             await self._finished(shard, store, commit)
+            self._phase = "commit"
         await commit
+        self._phase = "read"
         if consumed:
             self.transactions += 1
             self.messages += consumed
@@ -374,7 +409,10 @@ async def run_shard(
     try:
         async with BrokerClient(plan.broker, plan.client_security()) as client:
             shard = _shard(plan, shard_plan, client, app_dir, work / "store")
-            app = app_class()
+            try:
+                app = app_class()
+            except Exception as error:
+                raise AppInitFailed(app_class, error) from error
             fs = await local_fs(work / "store") if recorded else None
             store = app.new_store(shard, fs)
             try:
@@ -460,21 +498,35 @@ def run_shard_task(plan: BackfillPlan, index: int, app_dir: str | None = None) -
     """A Spark task's body: backfill one shard; its ShardResult as a dict.
 
     Problems the user can fix raise BackfillError; anything else is wrapped
-    in one that names the shard.
+    in one that names the shard and, as the live runtime's errors do, the
+    last line of the app's code it went through (whose frames are logged).
     """
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tune_for_throughput()
     shard_id = plan.shards[index].shard_id
-    forget_app_modules(Path(app_dir or plan.app_dir))  # this worker may have run it before
+    folder = Path(app_dir or plan.app_dir)
+    forget_app_modules(folder)  # this worker may have run it before
     try:
         result = asyncio.run(run_shard(plan, index, app_dir=Path(app_dir) if app_dir else None))
     except BackfillError as error:
         raise BackfillError(f"shard {shard_id}: {error}") from None
     except Exception as error:
-        # A traceback for the app's own code (or a bug); streamkit's errors say what and where.
-        if not isinstance(error, StreamkitError):
-            log.exception("shard %s: backfill failed", shard_id)
-        raise BackfillError(f"shard {shard_id}: {type(error).__name__}: {error}") from None
+        raise _named(error, shard_id, folder) from None
     return asdict(result)
 
+
+def _named(error: Exception, shard_id: str, folder: Path) -> BackfillError:
+    """`error` as the BackfillError the driver reports: the shard, the transaction and hook
+    (for a TransactionFailed), and the app's line it was raised at; the app's frames are
+    logged, as a live shard's are (a whole traceback only for what is no one's fault but
+    streamkit's: neither the app's code nor one of streamkit's errors)."""
+    named = isinstance(error, TransactionFailed | AppInitFailed)
+    cause = error.__cause__ if named and error.__cause__ is not None else error
+    text = error.reason if named else f"{type(error).__name__}: {error}"
+    where, frames = app_location(cause, folder), app_traceback(cause, folder)
+    if frames:
+        log.error("shard %s: backfill failed: %s%s", shard_id, text, frames)
+    elif not isinstance(cause, StreamkitError):
+        log.error("shard %s: backfill failed: %s", shard_id, text, exc_info=cause)
+    return BackfillError(f"shard {shard_id}: {text}{where}")

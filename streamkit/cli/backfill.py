@@ -267,6 +267,7 @@ async def backfill(app_dir: Path, use_spark: bool, processes: int | None, plan_o
             else:
                 await deploy(config, client, ks)  # recovery logs, outputs, shard specs
             _echo_plan(plan.summary())
+            handed: list[str] | None = None  # shards handed over, where the engine tells
             try:
                 ran = time.monotonic()
                 if driver is not None:
@@ -275,12 +276,15 @@ async def backfill(app_dir: Path, use_spark: bool, processes: int | None, plan_o
                     results = await asyncio.to_thread(_run_spark, plan, sc)
                 else:
                     assert processes is not None
-                    results = await _run_locally(plan, processes)
+                    handed = []
+                    results = await _run_locally(plan, processes, handed)
                 ran = time.monotonic() - ran
             except BackfillError as error:
-                raise CliError(f"{error}\n(shards handed over before this failure keep "
-                               "their backfilled state; a running `streamkit run` must be "
-                               "restarted to serve it)") from None
+                raise CliError(f"{error}\n{_part_way(plan, handed)}") from None
+            except asyncio.CancelledError:
+                click.echo(f"streamkit: backfill interrupted: {_part_way(plan, handed)}",
+                           err=True)
+                raise
             finally:
                 if sc is not None:
                     await asyncio.to_thread(_stop_spark, sc)
@@ -308,6 +312,28 @@ async def backfill(app_dir: Path, use_spark: bool, processes: int | None, plan_o
             if started_spark is not None:
                 stopping = asyncio.ensure_future(asyncio.to_thread(_stop_spark, started_spark[0]))
                 await wait_finished(stopping, "stopping Spark")
+
+
+def _part_way(plan: Any, handed: list[str] | None) -> str:
+    """One line on a backfill stopped part-way: which shards were handed over (`handed`;
+    None where the engine can't tell), which not, and that running it again is safe."""
+    again = ("running the same `streamkit backfill` again is safe: it backfills every shard "
+             "again")
+    if handed is None:
+        return ("shards handed over before this keep their backfilled state, the others "
+                f"their previous one (restart a running `streamkit run` to serve them); {again}")
+    done = set(handed)
+    rest = [shard.shard_id for shard in plan.shards if shard.shard_id not in done]
+    served = " (restart a running `streamkit run` to serve them)" if handed else ""
+    return (f"handed over {len(handed)} of {plural(len(plan.shards), 'shard')}: "
+            f"{_names(sorted(handed))}{served}; not finished: {_names(rest)}; {again}")
+
+
+def _names(ids: list[str], most: int = 20) -> str:
+    """Shard ids for a line: all of a few, the first `most` of many ("none" for none)."""
+    if len(ids) <= most:
+        return ", ".join(ids) or "none"
+    return f"{', '.join(ids[:most])} and {len(ids) - most} more"
 
 
 def _resharding(config: AppConfig, layout: Layout | None, shards: int | None) -> bool:
@@ -426,14 +452,16 @@ def _stop_spark(sc: Any) -> None:
     stop_context(sc, exiting=True)  # the command ends right after
 
 
-async def _run_locally(plan: Any, processes: int) -> list[dict[str, Any]]:
-    """The plan run in processes of this machine; cancelled here (Ctrl-C), they are
-    stopped before this command goes on to stop the broker they use."""
+async def _run_locally(plan: Any, processes: int, handed: list[str]) -> list[dict[str, Any]]:
+    """The plan run in processes of this machine, adding each shard handed over to `handed`;
+    cancelled here (Ctrl-C), they are stopped before this command goes on to stop the broker
+    they use."""
     from streamkit.backfill.local import run_locally
 
     cancelled = threading.Event()
     running = asyncio.ensure_future(asyncio.to_thread(
-        run_locally, plan, processes, progress=_progress_printer(), cancelled=cancelled))
+        run_locally, plan, processes, progress=_progress_printer(), cancelled=cancelled,
+        handed_over=lambda result: handed.append(result["shard_id"])))
     try:
         return await asyncio.shield(running)
     except asyncio.CancelledError:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -28,20 +27,9 @@ from pathlib import Path
 import click
 
 from streamkit.cli.errors import CliError, warn
+from streamkit.parent_death import die_with_parent
 
 __all__ = ["Child", "Supervisor", "port_in_use", "start_child"]
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: receive SIGTERM when the parent dies."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass  # not Linux: children outlive a killed parent, as usual elsewhere
-
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
@@ -116,7 +104,7 @@ def start_child(name: str, args: list[str], log_path: Path,
         proc = subprocess.Popen(
             [sys.executable, "-m", "streamkit.cli.main", *args],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent, process_group=0,  # the parent stops it; see above
+            preexec_fn=die_with_parent, process_group=0,  # the parent stops it; see above
             env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
         )
     if pid_file is not None:  # for people (and tests) looking for the process
