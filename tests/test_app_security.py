@@ -26,7 +26,7 @@ from streamkit.auth.grpc_auth import AUTHORIZATION
 from streamkit.client.broker_client import normalize_address
 from streamkit.protocol import consumer_pb, pb
 from streamkit.protocol import consumer_pb2_grpc as consumer_grpc
-from tests.brokerproc import free_port
+from tests.brokerproc import BrokerProcess, free_port
 from tests.e2e import (
     VOCABULARY,
     AppView,
@@ -37,7 +37,8 @@ from tests.e2e import (
     expected_counts,
     totals_of_updates,
 )
-from tests.test_auth_tls import Pki, pki  # noqa: F401 (pki is a fixture: the test's CA)
+from tests.test_auth_tls import Pki, make_pki, pki  # noqa: F401 (pki is a fixture: the test's CA)
+from tests.waiting import eventually
 
 KEYS_TEXT = base64.b64encode(b"streamkit-app-security-test-key!").decode()
 KEYS = parse_keys(KEYS_TEXT)
@@ -330,3 +331,182 @@ def test_a_plain_dial_of_a_tls_broker_is_told_to_use_https(secure_app: SecureApp
     assert listed.returncode == 1, listed.stderr
     assert f"cannot reach broker at {plain}" in listed.stderr, listed.stderr
     assert "dial https://HOST:PORT" in listed.stderr, listed.stderr
+
+
+# --- TLS mistakes, named: client certificates required, refused; https:// to plaintext ------
+
+
+@dataclass
+class TlsBrokers:
+    mutual: BrokerProcess  # TLS, requiring client certificates signed by the test's CA
+    plain: BrokerProcess
+    stranger: Pki  # another CA, its client certificate, which `mutual` refuses
+
+
+@pytest.fixture(scope="module")
+def tls_brokers(tmp_path_factory: pytest.TempPathFactory,
+                pki: Pki) -> Iterator[TlsBrokers]:  # noqa: F811
+    tmp = tmp_path_factory.mktemp("tls-brokers")
+    (tmp / "stranger").mkdir()
+    stranger = make_pki(tmp / "stranger")
+    mutual = BrokerProcess(tmp / "mutual", extra_args=[*_tls(pki), "--tls-require-client-cert"])
+    plain = BrokerProcess(tmp / "plain")
+    try:
+        yield TlsBrokers(mutual.start(), plain.start(), stranger)
+    finally:
+        mutual.kill()
+        plain.kill()
+
+
+def _client_cert(cert: Path, key: Path) -> list[str]:
+    return ["--tls-client-cert", str(cert), "--tls-client-key", str(key)]
+
+
+def _tls_mistakes(brokers: TlsBrokers, pki: Pki) -> dict[str, tuple[str, list[str], str]]:  # noqa: F811
+    """Each mistake: the broker dialled, the options, and what the error must say."""
+    ca = ["--tls-ca", str(pki.ca)]
+    mutual, plain = brokers.mutual.address, f"https://{brokers.plain.address}"
+    return {
+        "no client certificate": (mutual, ca, "it likely requires a client certificate (give "
+                                              "--tls-client-cert and --tls-client-key)"),
+        "another CA's client certificate": (
+            mutual, [*ca, *_client_cert(brokers.stranger.client_cert,
+                                        brokers.stranger.client_key)],
+            "it likely refused this {me}'s certificate (check that it is signed by"),
+        "an expired client certificate": (
+            mutual, [*ca, *_client_cert(pki.expired_cert, pki.expired_key)],
+            "it likely refused this {me}'s certificate"),
+        "https:// to plaintext": (plain, ca, "does not serve TLS there: dial it as "
+                                             "http://HOST:PORT (or HOST:PORT), without https://"),
+    }
+
+
+MISTAKES = ["no client certificate", "another CA's client certificate",
+            "an expired client certificate", "https:// to plaintext"]
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_client_commands_name_the_tls_mistake(tls_brokers: TlsBrokers, pki: Pki,  # noqa: F811
+                                              mistake: str) -> None:
+    """gRPC says "Socket closed", or a handshake failure ending in ": OK", for each: the
+    error says which setting to change, with the client commands' own option names."""
+    broker, options, says = _tls_mistakes(tls_brokers, pki)[mistake]
+    done = _cli("journals", "list", "--broker", broker, *options)
+    assert done.returncode == 1, done.stderr
+    error = next(line for line in done.stderr.splitlines() if line.startswith("streamkit: "))
+    assert f"TLS with the broker at {broker} failed" in error, done.stderr
+    assert says.format(me="client") in error, done.stderr
+    assert "--tls-cert and --tls-key" not in error and not error.endswith(": OK)"), error
+    assert "ssl_transport_security" not in done.stderr, done.stderr  # gRPC core's own line
+
+
+def test_a_broker_not_trusted_is_not_out_of_reach(tls_brokers: TlsBrokers, pki: Pki  # noqa: F811
+                                                  ) -> None:
+    done = _cli("journals", "list", "--broker", tls_brokers.mutual.address,
+                "--tls-ca", str(tls_brokers.stranger.ca),
+                *_client_cert(pki.client_cert, pki.client_key))
+    assert done.returncode == 1, done.stderr
+    error = done.stderr.strip().splitlines()[-1]
+    assert "cannot reach" not in error and "does not trust the certificate" in error, error
+    assert "--tls-ca" in error and not error.endswith(": OK)"), error
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_serve_refuses_a_broker_it_cannot_speak_tls_with(tmp_path: Path, pki: Pki,  # noqa: F811
+                                                         tls_brokers: TlsBrokers,
+                                                         mistake: str) -> None:
+    """Rather than join, take shards, and retry their appends for ever ("Socket closed")."""
+    broker, options, says = _tls_mistakes(tls_brokers, pki)[mistake]
+    app = copy_wordcount(tmp_path / "wordcount")
+    done = _cli("serve", str(app), "--broker", broker, "--tls-cert", str(pki.server_cert),
+                "--tls-key", str(pki.server_key), *options)
+    assert done.returncode == 2, done.stderr
+    assert f"refusing to serve: TLS with the broker at {broker} failed" in done.stderr
+    assert says.format(me="member") in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_serve_leaves_a_broker_out_of_reach_to_retries(tmp_path: Path,
+                                                       pki: Pki) -> None:  # noqa: F811
+    """Refused connections (a broker not listening yet) are no TLS mistake: the member joins
+    and its shards retry, as ever."""
+    app = copy_wordcount(tmp_path / "wordcount")
+    broker = f"https://127.0.0.1:{free_port()}"
+    serve = Proc.streamkit(["serve", str(app), "--broker", broker, "--tls-ca", str(pki.ca),
+                            "--suffix", "patient"], tmp_path / "serve.log").start()
+
+    async def joined() -> None:
+        async with AppView(app, broker) as view:
+            await eventually(lambda: not serve.alive or _has_member(view, "patient"), 60,
+                             "the member to join")
+
+    try:
+        asyncio.run(joined())
+        assert serve.alive, serve.log()
+    finally:
+        serve.stop()
+
+
+async def _has_member(view: AppView, suffix: str) -> bool:
+    return any(member.suffix == suffix for member in (await view.state()).members)
+
+
+def test_run_requiring_client_certificates_needs_its_own(tmp_path: Path,
+                                                         pki: Pki) -> None:  # noqa: F811
+    """`run`'s members dial its bundled broker and each other: requiring client certificates
+    without one of their own, each of their calls fails (the first after half a minute)."""
+    app = copy_wordcount(tmp_path / "wordcount")
+    done = _cli("run", str(app), "--port", str(free_port()), "--no-status", *_tls(pki),
+                "--tls-require-client-cert")
+    assert done.returncode == 2, done.stderr
+    assert "--tls-require-client-cert needs --tls-client-cert and --tls-client-key" \
+        in done.stderr, done.stderr
+    assert not (app / ".streamkit" / "broker").exists()  # refused before starting anything
+
+
+@pytest.fixture(scope="module")
+def mutual_app(tmp_path_factory: pytest.TempPathFactory,
+               pki: Pki) -> Iterator[Path]:  # noqa: F811
+    """`streamkit run` requiring client certificates, its members presenting the test's
+    client certificate; serving every shard."""
+    tmp = tmp_path_factory.mktemp("mutual-app")
+    app = copy_wordcount(tmp / "wordcount", shards=2)
+    port = free_port()
+    run = Proc.streamkit(["run", str(app), "--port", str(port), "--no-status", *_tls(pki),
+                          "--tls-require-client-cert",
+                          *_client_cert(pki.client_cert, pki.client_key)],
+                         tmp / "run.log").start()
+    security = Security(client_tls=ClientTls(ca=pki.ca, cert=pki.client_cert,
+                                             key=pki.client_key))
+
+    async def serving() -> None:
+        async with AppView(app, f"https://127.0.0.1:{port}", security) as view:
+            await view.wait_serving(timeout=90)
+
+    try:
+        asyncio.run(serving())
+        yield app
+    except BaseException:
+        print(run.log())
+        raise
+    finally:
+        run.stop()
+
+
+@pytest.mark.parametrize("command", ["query", "shards stat"])
+def test_members_requiring_client_certificates_say_so(mutual_app: Path,
+                                                      pki: Pki, command: str) -> None:  # noqa: F811
+    """Not "cannot reach … is the app running?" (it is), nor a bare "Socket closed"."""
+    args = (["query", str(mutual_app), '{"word": "w1"}', "--shard", "shard-000"]
+            if command == "query" else ["shards", "stat", "shard-000", "--app", str(mutual_app)])
+    ca = ["--tls-ca", str(pki.ca)]
+    answered = _cli(*args, *ca, *_client_cert(pki.client_cert, pki.client_key))
+    assert answered.returncode == 0, answered.stderr
+    done = _cli(*args, *ca)
+    assert done.returncode == 1, done.stderr
+    assert "the member closed the TLS connection: it likely requires a client certificate " \
+           "(give --tls-client-cert and --tls-client-key)" in done.stderr, done.stderr
+    assert "is the app running" not in done.stderr, done.stderr
+    refused = _cli(*args, *ca, *_client_cert(pki.expired_cert, pki.expired_key))
+    assert refused.returncode == 1, refused.stderr
+    assert "it likely refused this client's certificate" in refused.stderr, refused.stderr

@@ -100,6 +100,8 @@ class Pki:
     server_key: Path
     client_cert: Path
     client_key: Path
+    expired_cert: Path  # a client certificate of the CA, expired an hour ago
+    expired_key: Path
 
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> Path:
@@ -113,8 +115,11 @@ def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> Path:
     return path
 
 
-def _builder(subject: str, issuer: x509.Name, key, ca_key) -> x509.CertificateBuilder:
+def _builder(subject: str, issuer: x509.Name, key, ca_key,
+             expired: bool = False) -> x509.CertificateBuilder:
     now = datetime.datetime.now(datetime.UTC)
+    if expired:
+        now -= datetime.timedelta(days=1, hours=1)
     return (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
@@ -150,10 +155,11 @@ def make_pki(folder: Path) -> Pki:
     )
     (folder / "ca.pem").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(name: str, usage: x509.ObjectIdentifier, sans: list[x509.GeneralName]) -> Path:
+    def issue(name: str, usage: x509.ObjectIdentifier, sans: list[x509.GeneralName],
+              expired: bool = False) -> Path:
         key = ec.generate_private_key(ec.SECP256R1())
         cert = (
-            _builder(name, ca_name, key, ca_key)
+            _builder(name, ca_name, key, ca_key, expired)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), True)
             .add_extension(x509.ExtendedKeyUsage([usage]), False)
             .add_extension(x509.SubjectAlternativeName(sans), False)
@@ -166,12 +172,15 @@ def make_pki(folder: Path) -> Pki:
     loopback = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
     issue("server", ExtendedKeyUsageOID.SERVER_AUTH, loopback)
     issue("client", ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName("client.test")])
+    issue("expired", ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName("client.test")], True)
     return Pki(
         ca=folder / "ca.pem",
         server_cert=folder / "server.pem",
         server_key=folder / "server.key",
         client_cert=folder / "client.pem",
         client_key=folder / "client.key",
+        expired_cert=folder / "expired.pem",
+        expired_key=folder / "expired.key",
     )
 
 
@@ -428,6 +437,24 @@ def test_tls_settings_name_what_is_wrong(tmp_path: Path, pki: Pki):
         ClientTls(ca=missing).ssl_context()
     with pytest.raises(TlsError, match="server certificate file"):
         ServerTls(pki.server_cert, pki.client_key).ssl_context()  # key of another certificate
+
+
+def test_a_file_that_is_not_pem_is_named(tmp_path: Path, pki: Pki):
+    """OpenSSL says "PEM lib" for a certificate and key loaded together, whichever of the
+    two is garbage: the error names the one that is."""
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("hello, this is no PEM file\n")
+    with pytest.raises(TlsError) as bad_key:
+        ClientTls(cert=pki.client_cert, key=garbage).ssl_context()
+    assert f"key file {garbage}: not a PEM private key" in str(bad_key.value)
+    with pytest.raises(TlsError) as bad_cert:
+        ServerTls(garbage, pki.server_key).ssl_context()
+    assert f"server certificate file {garbage}: not a PEM certificate" in str(bad_cert.value)
+    with pytest.raises(TlsError) as key_as_cert:  # the two files swapped
+        ClientTls(cert=pki.client_key, key=pki.client_cert).ssl_context()
+    assert f"{pki.client_key}: not a PEM certificate" in str(key_as_cert.value)
+    with pytest.raises(TlsError, match="is not this certificate's private key"):
+        ServerTls(pki.server_cert, pki.client_key).ssl_context()
 
 
 # --- HTTP over TLS --------------------------------------------------------------------------

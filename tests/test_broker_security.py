@@ -312,7 +312,8 @@ def test_journals_commands_with_keys_and_ca(secure_broker: BrokerProcess, pki: P
     assert "matches none of this server's keys" in line
     line = _one_error_line(_cli("journals", "list", "--broker", secure_broker.address,
                                 env=keyed), 1)
-    assert f"cannot reach broker at {secure_broker.address}" in line  # no CA: untrusted
+    assert f"TLS with the broker at {secure_broker.address} failed" in line  # no CA
+    assert "does not trust the certificate" in line
     line = _one_error_line(_cli("journals", "list", "--broker", secure_broker.address,
                                 "--tls-ca", str(tmp_path / "missing.pem"), env=keyed), 2)
     assert "missing.pem" in line and "No such file" in line

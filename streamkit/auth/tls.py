@@ -14,6 +14,7 @@ present its own certificate.
 from __future__ import annotations
 
 import ipaddress
+import re
 import ssl
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     import grpc
 
 __all__ = ["Address", "AddressError", "ClientTls", "ServerTls", "TlsError", "certificate_concerns",
-           "parse_address"]
+           "parse_address", "presents_certificate", "tls_trouble", "without_ok"]
 
 _PLAINTEXT_SCHEMES = frozenset({"http", "grpc"})
 
@@ -96,10 +97,27 @@ def _read(path: Path | None, what: str) -> bytes | None:
 
 
 def _load_chain(context: ssl.SSLContext, cert: Path, key: Path, what: str) -> None:
+    """Load `cert` and its `key`, naming the file at fault: OpenSSL says "PEM lib" whichever
+    of the two is not PEM, so the certificate is read alone first."""
+    try:  # a scratch context: only whether the file holds certificates matters here
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=cert)
+    except OSError as err:
+        raise TlsError(f"{what} {cert}: {_why(err, 'not a PEM certificate')}") from None
     try:
         context.load_cert_chain(cert, key)
-    except (OSError, ssl.SSLError) as err:
-        raise TlsError(f"{what} {cert} with key {key}: {err}") from None
+    except OSError as err:
+        if "KEY_VALUES_MISMATCH" in str(err):
+            problem = f"key {key} is not this certificate's private key"
+        else:
+            problem = f"key file {key}: {_why(err, 'not a PEM private key')}"
+        raise TlsError(f"{what} {cert}: {problem}") from None
+
+
+def _why(err: OSError, not_pem: str) -> str:
+    """An unreadable file's reason, or `not_pem` with OpenSSL's words (an ssl.SSLError)."""
+    if isinstance(err, ssl.SSLError) or not err.strerror:
+        return f"{not_pem} ({err})"
+    return err.strerror
 
 
 def _load_ca(context: ssl.SSLContext, ca: Path) -> None:
@@ -162,6 +180,59 @@ def _name_matches(name: str, host: str) -> bool:
         first, _, rest = host.partition(".")
         return bool(first) and rest == name[2:]
     return name == host
+
+
+# How a server closing the TLS handshake reaches a client: gRPC says only "Socket closed";
+# Python's ssl an EOF, or the alert the server sent (TLS 1.3 sends it after the client's
+# side of the handshake is done, so http.client may see the connection closed first).
+_CLOSED = ("socket closed", "eof occurred in violation of protocol",
+           "remote end closed connection", "alert certificate required",
+           "alert unknown ca", "alert bad certificate", "alert certificate expired",
+           "alert certificate unknown", "alert handshake failure")
+
+
+def without_ok(details: str) -> str:
+    """gRPC's error details on one line, without the ": OK" its core appends to a failed
+    handshake's reason (the status of a step that did not fail)."""
+    return re.sub(r"(?::\s*OK)+\s*$", "", " ".join(details.split()))
+
+
+def presents_certificate(tls: ClientTls | None) -> bool:
+    """Whether a client with these settings shows servers a certificate of its own."""
+    return tls is not None and tls.cert is not None
+
+
+def tls_trouble(error: str, *, tls: bool, client_cert: bool, peer: str = "broker",
+                me: str = "client") -> str | None:
+    """What a failed dial most likely means when TLS is to blame, as advice to the user; None
+    when nothing says so (the peer refused the connection, or is not listening yet: a retry
+    may do). `error` is gRPC's details or Python's error text; `tls`: whether the address
+    was https://; `client_cert`: whether this side presented a certificate. Peers tell
+    clients only that they closed the connection, so these settings tell the causes apart."""
+    text = error.lower().replace("_", " ")
+    if "hostname verification" in text or "doesn't match" in text:
+        return (f"the certificate of the {peer} does not name the host dialled: dial a name "
+                "it holds")
+    if "certificate verify failed" in text and ("expired" in text or "not yet valid" in text):
+        return (f"the certificate of the {peer} has expired, or is not valid yet (or this "
+                "machine's clock is wrong)")
+    if "certificate verify failed" in text:
+        return (f"this {me} does not trust the certificate of the {peer}: give --tls-ca the CA "
+                "that signed it")
+    if "wrong version number" in text:  # a TLS hello answered in plaintext
+        return (f"the {peer} does not serve TLS there: dial it as http://HOST:PORT (or "
+                "HOST:PORT), without https://")
+    if not any(words in text for words in _CLOSED):
+        return None
+    if not tls:
+        return (f"if the {peer} serves TLS, dial https://HOST:PORT, with --tls-ca if its "
+                "certificate isn't signed by a CA this machine trusts")
+    if client_cert:
+        return (f"the {peer} closed the TLS connection: it likely refused this {me}'s "
+                f"certificate (check that it is signed by the CA the {peer} trusts, its "
+                "--tls-ca, and has not expired)")
+    return (f"the {peer} closed the TLS connection: it likely requires a client certificate "
+            "(give --tls-client-cert and --tls-client-key)")
 
 
 @dataclass(frozen=True)

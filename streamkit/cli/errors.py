@@ -65,22 +65,31 @@ def _broker_address() -> str:
     return str(ctx.params.get("broker", "")) if ctx is not None else ""
 
 
-def _tls_hint(address: str, details: str) -> str:
-    """What a broker closing the connection at once most likely means: TLS spoken on one
-    side only. (gRPC says just "Socket closed" for both mistakes.)"""
-    if "socket closed" not in details.lower():
-        return ""
-    if not address.startswith("https://"):
-        return (" (if the broker serves TLS, dial https://HOST:PORT, with --tls-ca if its "
-                "certificate isn't signed by a CA this machine trusts)")
-    return " (if the broker requires client certificates, give --tls-cert and --tls-key)"
+def _client_cert_given() -> bool:
+    ctx = click.get_current_context(silent=True)
+    return ctx is not None and ctx.params.get("tls_client_cert") is not None
+
+
+def _tls_hint(address: str, details: str) -> str | None:
+    """The message for a broker dial that failed for TLS, saying what to change; None when
+    the broker was rather out of reach. (gRPC says just "Socket closed" whether TLS is
+    spoken on one side only or the broker wants, or refused, a client certificate.)"""
+    from streamkit.auth.tls import tls_trouble, without_ok
+
+    tls = address.lower().startswith("https://")
+    advice = tls_trouble(details, tls=tls, client_cert=_client_cert_given())
+    if advice is None:
+        return None
+    if not tls:
+        return f"cannot reach broker at {address}: {without_ok(details)} ({advice})"
+    return f"TLS with the broker at {address} failed: {advice} ({without_ok(details)})"
 
 
 def _rpc_error(code: str, details: str) -> tuple[list[str], int]:
     details = _one_line(details)
     if code == "UNAVAILABLE":
         address = _broker_address()
-        return [f"cannot reach broker at {address}: {details}{_tls_hint(address, details)}"], \
+        return [_tls_hint(address, details) or f"cannot reach broker at {address}: {details}"], \
             FAILURE
     if code == "INVALID_ARGUMENT":
         return [f"the broker rejected the request: {details}"], DATA_ERROR

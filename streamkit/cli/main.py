@@ -9,7 +9,13 @@ broker it starts should not pay for the others at every start.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable, Iterator, MutableMapping
+
+# gRPC core's own log lines (a failed TLS handshake, at INFO) would print before a
+# command's one-line error; read once, when grpc is first imported. GRPC_VERBOSITY=INFO
+# (or DEBUG) brings them back.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import click
 

@@ -19,6 +19,7 @@ from streamkit.app.layout import deployed_config
 from streamkit.app.member_http import open_member_url
 from streamkit.app.resolver import Primary, Resolver
 from streamkit.auth.settings import Security
+from streamkit.auth.tls import presents_certificate, tls_trouble
 from streamkit.auth.tokens import Capability
 from streamkit.cli.app_keyspace import app_keyspace
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command, warn
@@ -52,6 +53,11 @@ def _ask(primary: Primary, request: dict[str, Any], timeout: float,
         if "CERTIFICATE_VERIFY_FAILED" in str(err):  # reached, but not trusted
             raise CliError(f"shard {primary.shard}: the certificate of {url} is not trusted "
                            f"({err}): give --tls-ca the CA that signed it") from None
+        if url.startswith("https://") and (advice := tls_trouble(
+                str(err), tls=True, peer="member",
+                client_cert=presents_certificate(security.client_tls))):  # reached; TLS failed
+            raise CliError(f"shard {primary.shard}: TLS with {url} failed: {advice} "
+                           f"({err})") from None
         if isinstance(getattr(err, "reason", None), TimeoutError):  # timed out connecting
             raise MemberOutOfReach(f"shard {primary.shard}: cannot reach {url} within "
                                    f"{timeout:g}s") from None

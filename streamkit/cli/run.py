@@ -233,11 +233,15 @@ def _orphan_aware(parent: int) -> Callable[[], float]:
     return lambda: _QUICK_STOP if os.getppid() != parent else _stop_timeout()
 
 
-async def _check_broker_accepts(client: BrokerClient, broker: str) -> None:
-    """Refuse to serve with a token the broker refuses, or against a certificate this
-    member doesn't trust: a member that started anyway would take shards it can't serve
+async def _check_broker_accepts(client: BrokerClient, broker: str, security: Security
+                                ) -> None:
+    """Refuse to serve with a token the broker refuses, or when TLS with it fails (a
+    certificate this member doesn't trust, one the broker wants or refuses, https:// to a
+    plaintext broker): a member that started anyway would take shards it can't serve
     (failing them in a loop, or stalling them), and say so only in its log. A broker that
-    is merely out of reach now is left to the shards' retries, as ever."""
+    is merely out of reach now (refusing connections, not listening yet) is left to the
+    shards' retries, as ever."""
+    from streamkit.auth.tls import parse_address, presents_certificate, tls_trouble, without_ok
     from streamkit.client.errors import TransportError
     from streamkit.client.listing import list_journals
 
@@ -248,10 +252,11 @@ async def _check_broker_accepts(client: BrokerClient, broker: str) -> None:
             raise CliError(f"the broker at {broker} refuses this member's token ({err.code}: "
                            f"{err.details}): give the member the broker's --auth-keys",
                            DATA_ERROR) from None
-        if "CERTIFICATE_VERIFY_FAILED" in err.details:
-            raise CliError(f"this member does not trust the certificate of the broker at "
-                           f"{broker} ({err.details}): give --tls-ca the CA that signed it",
-                           DATA_ERROR) from None
+        advice = tls_trouble(err.details, tls=parse_address(client.address).tls, me="member",
+                             client_cert=presents_certificate(security.client_tls))
+        if err.code == "UNAVAILABLE" and advice is not None:
+            raise CliError(f"refusing to serve: TLS with the broker at {broker} failed: "
+                           f"{advice} ({without_ok(err.details)})", DATA_ERROR) from None
     except TimeoutError:
         pass  # out of reach for now: the shards retry
 
@@ -425,6 +430,7 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
     --tls-cert and --tls-key they serve TLS (give --tls-ca too, for the members to
     trust it).
     """
+    _check_dials_itself(security)
     hold_collections()  # until the member starts (`_member`)
     raise_open_file_limit()  # a store's files per shard
     configure_logging(log_level)
@@ -516,6 +522,20 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
         running.release()
 
 
+def _check_dials_itself(security: Security) -> None:
+    """`run`'s members dial its own servers (the bundled broker, each other's Shard APIs):
+    requiring client certificates there, they must present one, or every call fails (the
+    first, setting up the journals, half a minute later)."""
+    from streamkit.auth.tls import presents_certificate
+
+    server = security.server_tls
+    if server is not None and server.require_client_cert and not presents_certificate(
+            security.client_tls):
+        raise CliError("--tls-require-client-cert needs --tls-client-cert and --tls-client-key "
+                       "with `run`: its members dial its own servers, which require a client "
+                       "certificate", DATA_ERROR)
+
+
 def _lock_app(app_dir: Path, data_dir: Path, broker: str) -> ProcessLock:
     """One `run` per app folder, held for this process's life: a second one would start a
     second bundled broker on the app's data (refused, see broker/data_lock.py) and wait for
@@ -603,7 +623,7 @@ async def serve(app_dir: Path, broker: str, keyspace: str | None, shards: int | 
             warn(f"app {config.name} has no shards deployed in KeySpace {keyspace} (under "
                  f"{config.keyspace_root}): this member serves none until `streamkit deploy "
                  f"{app_dir}` with this --keyspace puts them there (is the URL's prefix right?)")
-        await _check_broker_accepts(client, broker)
+        await _check_broker_accepts(client, broker, security)
         async with _member(config, app_class, client, ks, suffix=suffix, zone=zone,
                            lease_ttl=lease_ttl, broker_file_root=file_root, security=security,
                            host=host, port=port, advertise=advertise,

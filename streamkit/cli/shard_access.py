@@ -26,7 +26,9 @@ from streamkit.app.shard_ops import (
 from streamkit.app.stat_client import StatClient, find_primary
 from streamkit.auth.settings import Security
 from streamkit.auth.signer import Metadata
+from streamkit.auth.tls import presents_certificate, tls_trouble, without_ok
 from streamkit.auth.tokens import Capability
+from streamkit.cli.errors import CliError
 from streamkit.client.broker_client import normalize_address
 from streamkit.errors import StreamkitError
 from streamkit.keyspace.keyspace import KeySpace
@@ -47,6 +49,19 @@ class Unreachable(StreamkitError):
     def __init__(self, status: int = consumer_pb.OK, where: str = "") -> None:
         super().__init__(consumer_pb.Status.Name(status))
         self.status, self.where = status, where
+
+
+def _unreachable(err: grpc.aio.AioRpcError, shard: str, where: str, endpoint: str,
+                 security: Security) -> Exception:
+    """What a failed Stat raises: Unreachable, with the RPC error as its cause; or, when TLS
+    with the member failed, a CliError saying what to change (gRPC's "Socket closed" alone
+    reads like a member that is down)."""
+    if err.code() == grpc.StatusCode.UNAVAILABLE and (advice := tls_trouble(
+            err.details() or "", tls=endpoint.lower().startswith("https://"), peer="member",
+            client_cert=presents_certificate(security.client_tls))):
+        return CliError(f"shard {shard}'s primary {where}: TLS failed: {advice} "
+                        f"({without_ok(err.details() or '')})")
+    return Unreachable(where=where)
 
 
 class ShardAccess(abc.ABC):
@@ -109,7 +124,8 @@ class KeySpaceShards(ShardAccess):
         try:
             response = await self._stats.stat(primary.endpoint, request, timeout=timeout)
         except grpc.aio.AioRpcError as err:
-            raise Unreachable(where=f"{primary.member} at {primary.endpoint}") from err
+            raise _unreachable(err, request.shard, f"{primary.member} at {primary.endpoint}",
+                               primary.endpoint, self._stats.security) from err
         return response, str(primary.member), primary.endpoint
 
     async def close(self) -> None:
@@ -125,6 +141,7 @@ class MemberShards(ShardAccess):
         self._channel = security.open_channel(self.address)
         self._stub = consumer_grpc.ShardStub(self._channel)
         self._signer = security.signer()
+        self._security = security
 
     def _token(self, cap: Capability, shard: str | None = None) -> Metadata | None:
         if self._signer is None:
@@ -157,7 +174,8 @@ class MemberShards(ShardAccess):
             response = await self._stub.Stat(request, timeout=timeout,
                                              metadata=self._token(Capability.READ, request.shard))
         except grpc.aio.AioRpcError as err:
-            raise Unreachable(where=f"through member {self.address}") from err
+            raise _unreachable(err, request.shard, f"through member {self.address}",
+                               self.address, self._security) from err
         answered = response.header.process_id  # the primary, when the member forwarded it
         member = f"{answered.zone}#{answered.suffix}" if answered.suffix else self.address
         return response, member, await self._primary_endpoint(request.shard) or self.address
