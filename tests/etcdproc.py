@@ -137,6 +137,17 @@ class EtcdServer:
             self.proc.wait()
         self.proc = None
 
+    def wipe(self, *, another_cluster: bool = False) -> None:
+        """Crash the server and start it again on its client port with no data, as an
+        operator replacing a broken data directory does: its cluster id stays the same
+        (etcd derives it from the configuration), unless `another_cluster` moves its peer
+        port, which makes it another cluster at the same client address."""
+        self.stop(signal.SIGKILL)
+        (self.root / "data").rename(self.root / f"wiped-{uuid.uuid4().hex[:8]}")
+        if another_cluster:
+            self.peer_port = _free_port()
+        self.start()
+
     def close(self) -> None:
         """Stop the server and delete its directory."""
         try:

@@ -389,7 +389,7 @@ async def test_consumer_address_reaches_shards_through_a_member(shared_broker: A
     assert code == 1 and "UNAVAILABLE" in err and "member 127.0.0.1:" in err, err
 
 
-@pytest.mark.parametrize("url", ["http://x:1/a", "etcd://no-port"])
+@pytest.mark.parametrize("url", ["http://x:1/a", "etcd://no-port", "etcd:/typo/app/"])
 def test_a_keyspace_url_in_no_accepted_form_is_bad_input(tmp_path: Path, url: str) -> None:
     """Exit 2 naming the URL, from every command taking --keyspace (serve said 1)."""
     assert CliRunner().invoke(cli, ["new", "kapp", "--dir", str(tmp_path)]).exit_code == 0

@@ -366,6 +366,25 @@ def test_a_broker_follows_its_specs_again_after_a_long_etcd_outage(
         broker.kill()
 
 
+def test_a_broker_stops_when_its_etcd_was_wiped(private_etcd: EtcdServer,
+                                                tmp_path: Path) -> None:
+    """etcd restarted without its data: the broker exits with an error saying so. It went
+    on serving specs no longer in etcd, and `streamkit deploy`, comparing against them,
+    wrote nothing."""
+    broker = BrokerProcess(tmp_path / "broker",
+                           extra_args=["--keyspace", private_etcd.url("broker/")]).start()
+    try:
+        journals = wire.stub(broker.address)
+        wire.create(journals, wire.spec("wiped/one"), wire.spec("wiped/two"))
+        private_etcd.wipe()
+        assert broker.proc is not None
+        assert broker.proc.wait(LIVENESS) == 1, broker.log()
+        assert "broker stopped on an error: etcd at" in broker.log(), broker.log()
+        assert "its data was wiped or replaced): restart this process" in broker.log()
+    finally:
+        broker.kill()
+
+
 def _wait_logged(cluster: Cluster, *texts: str, among: str | None = None) -> None:
     """Until some member logged one of `texts`; with `among`: until each member that logged
     `among` logged one of `texts` after it."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -28,11 +29,13 @@ from streamkit.keyspace import (
     Event,
     KeySpace,
     KeySpaceError,
+    KeySpaceURLError,
     LeaseNotFoundError,
     Put,
     SQLiteKeySpace,
     TxnResult,
     open_keyspace,
+    sqlite_path,
 )
 from tests.waiting import DEADLINE
 
@@ -440,11 +443,17 @@ async def test_cancelled_and_closed_watches_end_cleanly(backend: Backend) -> Non
     await ks.close()
 
 
-async def test_open_keyspace_urls(tmp_path: Path) -> None:
+async def test_open_keyspace_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for url in [f"sqlite://{tmp_path}/a.db", str(tmp_path / "nested" / "b.db")]:
         async with open_keyspace(url, poll_interval=0.01) as ks:
             assert isinstance(ks, SQLiteKeySpace)
             assert await ks.put("k", b"v") == 1
-    for url in ["sqlite://relative.db", "redis://x", "etcd://no-port/"]:
-        with pytest.raises(KeySpaceError):
+    assert sqlite_path(f"sqlite://{tmp_path}/a.db") == f"{tmp_path}/a.db"
+    assert sqlite_path("etcd:/bad") is None, "the etcd backend's to check"
+    monkeypatch.chdir(tmp_path)
+    before = sorted(os.listdir())
+    mistyped = ["sqlite:x.db", "sqlite:/abs.db", "etcd:/bad"]  # errors, never file names
+    for url in ["sqlite://relative.db", "redis://x", "etcd://no-port/", *mistyped]:
+        with pytest.raises(KeySpaceURLError, match=re.escape(url)):
             open_keyspace(url)
+    assert sorted(os.listdir()) == before

@@ -16,6 +16,7 @@ import signal
 import socket
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import aetcd
@@ -23,12 +24,15 @@ import grpc
 import pytest
 
 from streamkit.keyspace import (
+    ClusterChangedError,
     CompactedError,
+    Compare,
     DeletePrefix,
     EtcdKeySpace,
     Event,
     KeySpace,
     KeySpaceError,
+    KeySpaceURLError,
     LeaseNotFoundError,
     Put,
     open_keyspace,
@@ -83,13 +87,23 @@ def test_url_names_endpoints_and_prefix(url: str, endpoints: list[str], prefix: 
 
 
 @pytest.mark.parametrize(
-    "url", ["etcd://", "etcd:///p", "etcd://host/p", "etcd://host:0", "etcd://h:1,/p", "etcd://h:x"]
+    "url",
+    [
+        *("etcd://", "etcd:///p", "etcd://host/p", "etcd://host:0", "etcd://h:1,/p", "etcd://h:x"),
+        # typos, which must not become a SQLite file of that name
+        *("etcd:/bad", "etcd:h:2379/x", "etcd//h:2379/x", "etcd:", "etcd:/h:2379/x", "etcd:1/p"),
+    ],
 )
-def test_invalid_url_says_what_is_expected(url: str) -> None:
-    with pytest.raises(KeySpaceError, match=r"expected etcd://host:port\[,host:port...\]/prefix"):
+def test_invalid_url_says_what_is_expected(
+    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    expected = r"expected etcd://host:port\[,host:port...\]/prefix"
+    with pytest.raises(KeySpaceURLError, match=expected):
         open_keyspace(url)
     with pytest.raises(KeySpaceError, match=re.escape(url)):
         open_keyspace(url)
+    assert not list(tmp_path.iterdir()), "a mistyped etcd URL is not a SQLite file"
 
 
 async def test_prefixes_keep_keyspaces_apart(etcd_server: EtcdServer) -> None:
@@ -250,6 +264,71 @@ async def test_watch_and_writes_ride_out_a_restart(
             ("put", "w/during", during),
             ("put", "w/after", after),
         ]
+
+
+async def test_a_wiped_etcd_fails_watches_and_calls_for_good(private_etcd: EtcdServer) -> None:
+    url = private_etcd.url("app/")
+    async with (
+        open_keyspace(url, retry_timeout=LIVENESS) as ks,
+        open_keyspace(url, retry_timeout=LIVENESS) as writer,
+    ):
+        start = await ks.revision()
+        for i in range(3):  # revisions a wiped etcd, starting again at 1, is below
+            await writer.put(f"w/{i}", b"")
+        seen: list[Event] = []
+
+        async def watch() -> None:
+            async with contextlib.aclosing(ks.watch("w/", start)) as w:
+                async for batch in w:
+                    seen.extend(batch)
+
+        watching = asyncio.create_task(watch())
+        await eventually(lambda: len(seen) == 3, what="the watch to stream the puts")
+        await asyncio.to_thread(private_etcd.wipe)
+
+        wiped = (
+            rf"^etcd at {private_etcd.endpoint} is a different cluster \(its revision went back "
+            r"from \d+ to 1; its data was wiped or replaced\): restart this process$"
+        )
+        with pytest.raises(ClusterChangedError, match=wiped):
+            async with asyncio.timeout(LIVENESS):
+                await watching
+        with pytest.raises(ClusterChangedError, match=wiped):
+            await ks.put("w/again", b"")  # for good: nothing is done on the new etcd
+        with pytest.raises(ClusterChangedError, match=wiped):
+            await writer.get("w/0")  # a client that only read and wrote notices as well
+        async with open_keyspace(url) as fresh:  # as the restarted process does
+            assert await fresh.range("w/") == ([], 1)
+
+
+async def test_another_cluster_at_the_address_is_refused(private_etcd: EtcdServer) -> None:
+    async with open_keyspace(private_etcd.url(), retry_timeout=LIVENESS) as ks:
+        await ks.put("k", b"")
+        await asyncio.to_thread(private_etcd.wipe, another_cluster=True)
+        async with open_keyspace(private_etcd.url()) as fresh:
+            for _ in range(3):  # ahead of ks: only the cluster id tells them apart
+                await fresh.put("k", b"")
+        with pytest.raises(ClusterChangedError, match=r"is a different cluster \(cluster id"):
+            await ks.get("k")
+
+
+async def test_answers_out_of_order_are_no_wiped_etcd(ks: KeySpace, etcd_url: str) -> None:
+    """Concurrent calls' answers, and watch events, arrive in any order: one at a revision
+    below another already seen is no sign of a wiped etcd unless it was asked after that."""
+
+    async def cas() -> None:
+        for _ in range(100):
+            kv = await ks.get("c")
+            await ks.txn([Compare("c", mod_revision=kv.mod_revision if kv else 0)], [Put("c", b"")])
+
+    async with open_keyspace(etcd_url) as other:
+        head = await ks.revision()
+        watching = asyncio.create_task(collect(ks, "w/", head, head + 10**6))
+        writes = [keyspace.put("w/k", b"") for keyspace in (ks, other) for _ in range(200)]
+        await asyncio.gather(cas(), cas(), cas(), *writes)
+        assert not watching.done(), watching  # still streaming: it raised nothing
+        watching.cancel()
+        await asyncio.wait([watching])
 
 
 def unavailable_error(details: str) -> grpc.aio.AioRpcError:

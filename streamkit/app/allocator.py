@@ -94,6 +94,7 @@ from streamkit.app.solver import Placement, solve
 from streamkit.app.supervise import LoopFailure, Restart, supervised
 from streamkit.errors import StreamkitError
 from streamkit.keyspace import (
+    ClusterChangedError,
     CompactedError,
     Compare,
     Delete,
@@ -734,6 +735,8 @@ class Allocator:
                             self._publish(revision)
             except CompactedError:
                 revision = None
+            except ClusterChangedError:
+                raise  # no revision means anything there: the member must restart
             except KeySpaceError as e:
                 # A pause growing to a second, said once per kind of error (not ten a second).
                 if str(e) != failed:

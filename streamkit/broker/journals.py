@@ -21,7 +21,7 @@ from streamkit.broker.replica import Replica, spool_directory
 from streamkit.broker.spool import Spool
 from streamkit.broker.stores import FragmentStore, FragmentStoreError, open_store
 from streamkit.errors import StreamkitError
-from streamkit.keyspace import Compare, Delete, Event, KeySpace, Put
+from streamkit.keyspace import ClusterChangedError, Compare, Delete, Event, KeySpace, Put
 from streamkit.protocol import pb
 from streamkit.protocol.labels import labels_with_meta
 from streamkit.tasks import cancel_and_wait
@@ -101,6 +101,12 @@ class JournalRegistry:
             with contextlib.suppress(JournalUnavailable):  # logged; the others are served
                 await self.replica(name)
         self._watch_task = asyncio.create_task(self._follow())
+
+    async def following(self) -> None:
+        """Until following the specs ended for good: raises what ended it (an etcd that was
+        wiped or replaced, whose specs the broker would otherwise serve stale for ever)."""
+        assert self._watch_task is not None, "start first"
+        await asyncio.shield(self._watch_task)
 
     async def stop(self) -> None:
         if self._watch_task:
@@ -242,7 +248,7 @@ class JournalRegistry:
                         self._apply_event(event)
                         self.revision = max(self.revision, event.revision)
                     self._signal()
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, ClusterChangedError):
                 raise
             except Exception as err:
                 log.warning("journal spec watch failed; reading the specs again in %.1fs: %s",

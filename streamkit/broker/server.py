@@ -192,9 +192,15 @@ class Broker:
             self._release_data_dir()
             raise StartupFailed(str(err)) from err
         ticker = asyncio.create_task(self._tick())
+        following = asyncio.ensure_future(self.registry.following())
+        stopping = asyncio.ensure_future(self._stopping.wait())
         try:
-            await self._stopping.wait()
+            await asyncio.wait((stopping, following), return_when=asyncio.FIRST_COMPLETED)
+            if following.done():  # the KeySpace was replaced: stop, then say why
+                following.result()
         finally:
+            following.cancel()
+            stopping.cancel()
             try:
                 await cancel_and_wait(ticker, "the broker's ticker")
                 for task in list(self._refreshing.values()):

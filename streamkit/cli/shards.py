@@ -40,7 +40,7 @@ from streamkit.cli.shard_access import (
     Unreachable,
 )
 from streamkit.keyspace import open_keyspace
-from streamkit.keyspace.keyspace import KeySpace, KeySpaceError
+from streamkit.keyspace.keyspace import KeySpace, KeySpaceError, sqlite_path
 from streamkit.protocol import consumer_pb
 from streamkit.protocol.labels import parse_selector
 from streamkit.protocol.problems import SpecError
@@ -79,10 +79,13 @@ def app_options(fn: F) -> F:
 
 
 def _sqlite_file(url: str) -> Path | None:
-    """The file an embedded KeySpace URL names, None for other backends."""
-    if url.startswith("sqlite://"):
-        return Path(url.removeprefix("sqlite://"))
-    return None if "://" in url else Path(url)
+    """The file an embedded KeySpace URL names, None for etcd; a malformed URL (a mistyped
+    etcd one, say) is bad input."""
+    try:
+        path = sqlite_path(url)
+    except KeySpaceError as err:
+        raise CliError(str(err), DATA_ERROR) from None
+    return None if path is None else Path(path)
 
 
 def _locate(app_dir: Path, keyspace_url: str | None, root: str | None) -> tuple[str, str]:

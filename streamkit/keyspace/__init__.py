@@ -3,6 +3,7 @@
 from typing import TYPE_CHECKING, Any
 
 from streamkit.keyspace.keyspace import (
+    ClusterChangedError,
     CompactedError,
     Compare,
     Delete,
@@ -17,6 +18,7 @@ from streamkit.keyspace.keyspace import (
     Put,
     TxnResult,
     open_keyspace,
+    sqlite_path,
 )
 from streamkit.keyspace.sqlite import SQLiteKeySpace
 
@@ -34,6 +36,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "ClusterChangedError",
     "CompactedError",
     "Compare",
     "Delete",
@@ -50,4 +53,5 @@ __all__ = [
     "SQLiteKeySpace",
     "TxnResult",
     "open_keyspace",
+    "sqlite_path",
 ]

@@ -34,6 +34,19 @@ reconnects by itself, resuming after the last revision it delivered (or that
 etcd reported progress to), and raises CompactedError if that history is
 gone by then.
 
+An etcd whose data was wiped (or restored from a backup, or another cluster at
+the same address) is no etcd to ride out: it starts again from revision 1,
+often under the same cluster id, and a watch resuming after its last revision
+would wait there in silence. Every response's header is checked: a cluster id
+other than the first one seen, or a linearizable answer (a read, a txn, a
+lease grant or revoke) at a revision below one seen before it was asked,
+makes this call and every later one raise ClusterChangedError, which tells
+the process to restart. A reconnected watch whose etcd member reports an
+older revision asks for a linearizable one first (a member of a healthy
+cluster may just lag behind the others). Revisions alone cannot tell a wiped
+etcd that got past the revisions this client saw before it asked again; a
+cluster id that changed still tells.
+
 It talks to etcd through `aetcd`'s generated etcd v3 API (`aetcd.rpc`) on
 gRPC channels of its own rather than through `aetcd.Client`, which dials a
 single endpoint, does not retry, and whose watcher does not resume after a
@@ -55,6 +68,7 @@ from typing import Any, TypeVar
 import grpc
 
 from streamkit.keyspace.keyspace import (
+    ClusterChangedError,
     CompactedError,
     Compare,
     Delete,
@@ -112,7 +126,8 @@ def parse_url(url: str) -> tuple[list[str], str]:
     endpoints = hosts.split(",")
     for endpoint in endpoints:
         host, _, port = endpoint.rpartition(":")
-        if not (_HOST.fullmatch(host) and port.isdigit() and 0 < int(port) < 65536):
+        valid = _HOST.fullmatch(host) and port.isdigit() and 0 < int(port) < 65536
+        if not (valid and url.startswith("etcd://")):
             raise KeySpaceURLError(f"invalid etcd URL {url!r}: expected {URL_FORM}")
     return endpoints, prefix
 
@@ -198,6 +213,9 @@ class EtcdKeySpace(KeySpace):
         self._stubs_by_endpoint: list[_Stubs] = []
         self._current = 0
         self._closed = False
+        self._cluster_id = 0  # etcd's id of the cluster that first answered (0: none yet)
+        self._high = 0  # the highest revision etcd reported: a cluster's never goes back
+        self._replaced: str | None = None  # why etcd is no longer that cluster, once seen
 
     @classmethod
     def from_url(cls, url: str, **options: float) -> EtcdKeySpace:
@@ -219,6 +237,28 @@ class EtcdKeySpace(KeySpace):
     def _check_open(self) -> None:
         if self._closed:
             raise KeySpaceError(f"keyspace {self.url} is closed")
+        if self._replaced is not None:
+            raise ClusterChangedError(self._replaced)
+
+    def _check_cluster(self, header: Any, floor: int = 0) -> None:
+        """Fail for good if `header` comes from another cluster, or is below `floor`: etcd
+        was wiped or replaced, and the revisions that watches resume from and compares name
+        mean nothing there. (A wiped etcd restarted with the same configuration keeps its
+        cluster id, hence both tests.) `floor` is what `_high` was when a linearizable
+        request was sent, not now: answers to concurrent requests arrive in any order."""
+        self._cluster_id = self._cluster_id or header.cluster_id
+        if header.cluster_id != self._cluster_id:
+            why = f"cluster id {header.cluster_id:x}, not {self._cluster_id:x}"
+        elif header.revision < floor:
+            why = f"its revision went back from {floor} to {header.revision}"
+        else:
+            self._high = max(self._high, header.revision)
+            return
+        self._replaced = (
+            f"etcd at {','.join(self._endpoints)} is a different cluster ({why}; its data "
+            "was wiped or replaced): restart this process"
+        )
+        raise ClusterChangedError(self._replaced)
 
     def _raise_if_closed(self) -> None:
         """Turn the CancelledError that `close` causes in running calls into KeySpaceError."""
@@ -253,12 +293,18 @@ class EtcdKeySpace(KeySpace):
         attempt: Callable[[_Stubs, float], Awaitable[T]],
         *,
         idempotent: bool = True,
+        linearizable: bool = True,
     ) -> T:
-        """Run `attempt(stubs, timeout)`, retrying while etcd is unreachable (module docs)."""
+        """Run `attempt(stubs, timeout)`, retrying while etcd is unreachable (module docs),
+        and check the header of its response (`_check_cluster`)."""
         backoff = self._backoff().start()
         while True:
+            floor = self._high if linearizable else 0
             try:
-                return await attempt(self._stubs(), backoff.remaining())
+                response = await attempt(self._stubs(), backoff.remaining())
+                if (header := getattr(response, "header", None)) is not None:
+                    self._check_cluster(header, floor)
+                return response
             except asyncio.CancelledError:
                 self._raise_if_closed()
                 raise
@@ -377,9 +423,12 @@ class EtcdKeySpace(KeySpace):
                 key=start, range_end=end, start_revision=position + 1, progress_notify=True
             )
             call = self._stubs().watch.Watch()
+            floor = self._high
             try:
                 await call.write(self._rpc.WatchRequest(create_request=create))
                 while (response := await call.read()) is not grpc.aio.EOF:
+                    # A member behind the others answers with its own (lower) revision.
+                    self._check_cluster(response.header)
                     if response.compact_revision:
                         raise CompactedError(position, response.compact_revision)
                     if response.canceled:
@@ -388,6 +437,8 @@ class EtcdKeySpace(KeySpace):
                         )
                     if response.created:
                         backoff.reset()
+                        if response.header.revision < floor:  # a member behind, or wiped?
+                            await self.revision()  # linearizable: raises if wiped
                     elif response.events:
                         events = [self._event(e) for e in response.events]
                         position = events[-1].revision
@@ -430,7 +481,8 @@ class EtcdKeySpace(KeySpace):
             finally:
                 call.cancel()
 
-        response = await self._call("keepalive", once)
+        # Answered by the leader from its applied state, which a follower's may be ahead of.
+        response = await self._call("keepalive", once, linearizable=False)
         return response is not grpc.aio.EOF and response.TTL > 0
 
     async def revoke(self, lease_id: int) -> None:

@@ -48,6 +48,17 @@ class CompactedError(KeySpaceError):
         self.compact_revision = compact_revision
 
 
+class ClusterChangedError(KeySpaceError):
+    """The store behind the URL is no longer the one this client was using.
+
+    Its data was wiped, restored from an older backup, or another cluster now
+    answers at the address: revisions already seen mean nothing there, so a
+    watch cannot resume and a view built so far is stale. Every later call on
+    the client raises it again; the process must start over from a fresh read
+    (exit, for a supervisor to restart it).
+    """
+
+
 class LeaseNotFoundError(KeySpaceError):
     """A put named a lease that was never granted, was revoked, or expired."""
 
@@ -219,7 +230,8 @@ class KeySpace(abc.ABC):
 
         Batches arrive in revision order and never split one revision. Raises
         `CompactedError` if that history is gone, at the start or later if
-        the watcher falls behind compaction.
+        the watcher falls behind compaction (read the prefix again and watch
+        from there), and `ClusterChangedError` if the store was replaced.
         """
 
     @abc.abstractmethod
@@ -262,6 +274,24 @@ class KeySpace(abc.ABC):
         await self.close()
 
 
+def sqlite_path(url: str) -> str | None:
+    """The file an embedded-KeySpace URL or path names; None for an etcd URL (which the etcd
+    backend checks). Raises KeySpaceURLError for any other URL, and for a mistyped one
+    ("etcd:/x", "etcd//h:1/x", "sqlite:x.db"), which must not become a file of that name."""
+    if url.startswith(("etcd:", "etcd//")):
+        return None
+    if url.startswith("sqlite:"):
+        if not url.startswith("sqlite:///"):
+            raise KeySpaceURLError(f"{url}: expected sqlite:///absolute/path.db")
+        return url.removeprefix("sqlite://")
+    if "://" in url:
+        raise KeySpaceURLError(
+            f"{url}: unknown keyspace URL scheme (expected a file path, "
+            "sqlite:///absolute/path.db or etcd://host:port/prefix)"
+        )
+    return url
+
+
 def open_keyspace(url: str, **options: float) -> KeySpace:
     """Open the KeySpace a URL names.
 
@@ -270,19 +300,11 @@ def open_keyspace(url: str, **options: float) -> KeySpace:
     opens the etcd backend (`options` go to `EtcdKeySpace`), keeping every key
     under `prefix` (which may be empty) so that several apps can share one etcd.
     """
-    if url.startswith("etcd://"):
+    path = sqlite_path(url)
+    if path is None:
         from streamkit.keyspace.etcd import EtcdKeySpace
 
         return EtcdKeySpace.from_url(url, **options)
-    if url.startswith("sqlite://"):
-        path = url.removeprefix("sqlite://")
-        if not path.startswith("/"):
-            raise KeySpaceURLError(f"{url}: expected sqlite:///absolute/path.db")
-    elif "://" in url:
-        raise KeySpaceURLError(f"{url}: unknown keyspace URL scheme (expected a file path, "
-                               "sqlite:///absolute/path.db or etcd://host:port/prefix)")
-    else:
-        path = url
     from streamkit.keyspace.sqlite import SQLiteKeySpace
 
     return SQLiteKeySpace(path, **options)
