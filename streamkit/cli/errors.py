@@ -224,24 +224,26 @@ def async_command(
         @functools.wraps(fn)
         def run(*args: P.args, **kwargs: P.kwargs) -> None:
             _configure_logging()
+            earlier = len(left_behind())  # a process running commands in turn (tests)
             try:
                 with reporting_errors(interrupt_exit):
                     asyncio.run(_stoppable(fn(*args, **kwargs)))
             except BaseException as ending:
-                _unless_left_behind(ending)
+                _unless_left_behind(ending, earlier)
                 raise
-            _unless_left_behind(None)
+            _unless_left_behind(None, earlier)
 
         return run
 
     return decorate
 
 
-def _unless_left_behind(ending: BaseException | None) -> None:
+def _unless_left_behind(ending: BaseException | None, earlier: int) -> None:
     """Exit at once, with the command's exit code, if it left work behind on threads (a
-    shard's store blocked in its database, after the stop's timeout): the interpreter's
-    exit joins those threads, and would wait for them for ever."""
-    stuck = left_behind()
+    shard's store blocked in its database, after the stop's timeout; `earlier`: how much
+    was left before it began): the interpreter's exit joins those threads, and would wait
+    for them for ever."""
+    stuck = left_behind()[earlier:]
     if not stuck:
         return
     code = 0
