@@ -24,7 +24,7 @@ from streamkit.app.application import Application
 from streamkit.app.publishing import ShardPublisher
 from streamkit.app.shard import Shard
 from streamkit.app.sources import SourceInput
-from streamkit.app.txn import _CHECK_EVERY, TransactionFailed, TransactionLoop, must_close
+from streamkit.app.txn import _BATCH, _CHECK_EVERY, TransactionFailed, TransactionLoop, must_close
 from streamkit.app.waits import first_of
 from streamkit.client import BrokerClient
 from streamkit.client.append_service import OpFuture
@@ -232,7 +232,8 @@ async def run_loop() -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
     started: list[Harness] = []
 
     async def start(
-        *, min_txn: float = 0.0, max_txn: float = 1.0, wait_for_ack: bool = True, hold: bool = True
+        *, min_txn: float = 0.0, max_txn: float = 1.0, wait_for_ack: bool = True, hold: bool = True,
+        app_class: type[Recorder] | None = None,
     ) -> Harness:
         clock, reader = FakeClock(), Input()
         client = BrokerClient("127.0.0.1:9")  # never dialled: nothing here appends
@@ -244,7 +245,7 @@ async def run_loop() -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
             mappings=lambda topic: pytest.fail(f"no outputs here ({topic})"),
             store_factory=lambda *args: pytest.fail("the test makes the store"),
         )
-        app = Recorder(clock)
+        app = (app_class or Recorder)(clock)
         store = HeldStore(clock, app, hold=hold)
         sequencer = Sequencer([], 64, offsets={JOURNAL: 0})
         source = SourceInput(
@@ -359,6 +360,25 @@ async def test_max_duration_closes_while_messages_keep_coming(run_loop: Any) -> 
     assert [len(c.messages) for c in h.store.commits] == [71, 64, 64, 1]
     assert [c.at for c in h.store.commits] == [71 * step, 135 * step, 199 * step, 200 * step]
     assert h.app.began == {1: 0.0, 2: 71 * step, 3: 135 * step, 4: 199 * step}
+
+
+async def test_a_batch_hook_of_a_fixed_cost_keeps_its_batches(run_loop: Any) -> None:
+    """A batch hook whose calls take a fixed 0.2 s whatever their size (a bulk write): it
+    gets whole batches. Paced as consume_message is, it dropped to one message a call, for
+    good (a run of one took as long)."""
+    sizes: list[int] = []
+
+    class BulkWriter(Recorder):
+        def consume_messages(self, shard: Any, store: Any, envelopes: list[Envelope],
+                             publisher: Any) -> None:
+            sizes.append(len(envelopes))
+            self.consumed[self.txn].extend(env.message["n"] for env in envelopes)
+            self.clock.advance_to(self.clock.time + 0.2)
+
+    h = await run_loop(max_txn=1.0, hold=False, app_class=BulkWriter)
+    h.input.committed(*range(3000))
+    await until(lambda: sum(map(len, h.app.consumed.values())) == 3000, "everything consumed")
+    assert sizes == [_BATCH, 3000 - _BATCH], sizes
 
 
 async def test_a_slow_app_looks_at_the_clock_after_each_message(run_loop: Any) -> None:

@@ -46,6 +46,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -202,7 +203,10 @@ class TransactionLoop:
         self._batch = batch
         self._async_batch = batch is not None and inspect.iscoroutinefunction(batch)
         self._max_run = _CHECK_EVERY if batch is None else _BATCH
-        self._run_limit = 1  # the next run's length: grows while runs are quick (`_paced`)
+        # The next run's length: consume_message's grows while runs are quick (`_paced`).
+        # A batch hook's is not paced: its calls often cost the same whatever their size
+        # (a bulk write), so smaller ones would only cost more.
+        self._run_limit = 1 if batch is None else _BATCH
         self.hooks.consume_hook = "consume_message" if batch is None else "consume_messages"
         self.hooks.consume_async = self._async_consume if batch is None else self._async_batch
         self._poison = PoisonGate(shard.id, self.policies, publisher)
@@ -351,7 +355,8 @@ class TransactionLoop:
         started, next_yield = self._started, count + _YIELD_EVERY
         min_duration, max_duration = self.min_duration, self.max_duration
         # The pace at which a run of the most messages still fits its share (`_paced`).
-        quick, most = max_duration / (_RUN_SHARE * self._max_run), self._max_run
+        most = self._max_run
+        quick = max_duration / (_RUN_SHARE * most) if self._batch is None else math.inf
         self._phase = "read"  # what fails outside the consume hooks is the input (poll)
         while run:
             began = now()
