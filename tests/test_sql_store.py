@@ -15,6 +15,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -663,3 +664,22 @@ async def test_a_database_out_of_reach_at_restore_is_one_line(shard) -> None:
     assert message.startswith(f"shard {shard}: restoring its checkpoint from the postgresql "
                               "database failed: "), message
     assert "\n" not in message and "refused" in message, message
+
+
+async def test_a_destroy_given_up_on_does_not_block_the_loop(tmp_path: Path, shard) -> None:
+    """An app statement stuck in the database holds the store's thread; a destroy given up
+    on (a stop's timeout) returns at once, and the loop runs meanwhile. It joined the
+    thread on the event loop, freezing every shard until the statement ended."""
+    store = SQLStore(f"sqlite:///{tmp_path / 'stuck.db'}", shard, views=0)
+    await store.restore_checkpoint(shard)
+    release = threading.Event()
+    stuck = asyncio.create_task(store.run(lambda conn: release.wait(10)))
+    await asyncio.sleep(0.1)  # not a synchronisation: the statement under way
+    stuck.cancel()
+    began = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(store.destroy(), 0.3)
+        assert time.monotonic() - began < 2.0
+    finally:
+        release.set()

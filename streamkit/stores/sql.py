@@ -369,7 +369,10 @@ class SQLStore(Store):
         try:
             await self._call(self._close_sync)
         finally:
-            self._executor.shutdown(wait=True)
+            # Not waiting for the thread: it is idle once closed, and when this was given up
+            # on instead (a statement stuck in the database holding it), a wait here would
+            # block the event loop, and every shard on it, until the database answers.
+            self._executor.shutdown(wait=False)
             if self._owns_engine:
                 self._engine.dispose()
 
