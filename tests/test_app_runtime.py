@@ -780,3 +780,29 @@ async def test_a_store_failing_on_and_on_fails_the_shard(
         assert 100 - SQLCount.drops == 3  # at once, after 1 s and after 2 s
         assert counts() == {}
         await service.stop()
+
+
+async def test_store_errors_between_commits_start_the_count_anew(
+        shared_broker: Any, tmp_path: Path, sql_counting: Any,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Connections dropped now and then, the shard committing in between: each is a first
+    error (a pause of 1 s), however long the drops go on. They piled up across terms, and
+    failed the shard once the first was STORE_RETRY_FOR old."""
+    from streamkit.app import replica as replica_module
+
+    monkeypatch.setattr(replica_module, "STORE_RETRY_FOR", 2.5)
+    factory, counts = sql_counting
+    async with BrokerClient(shared_broker.address) as client:
+        service, inputs = await _sql_service(client, tmp_path, factory)
+        lines = ["a"]
+        await _publish_lines(client, inputs, ["a"])
+        await eventually(lambda: counts() == _expected(lines), 30, "the first commit")
+        for _ in range(3):  # about 1.5 s each
+            SQLCount.drops = 1
+            lines.append("drop")
+            await _publish_lines(client, inputs, ["drop"])
+            await eventually(lambda: counts() == _expected(lines), 30, "the line counted")
+        replica = service.replicas["shard-000"]
+        assert replica.status.code == Code.PRIMARY, replica.status
+        assert caplog.text.count("recovering again in 1s") == 3, caplog.text
+        await service.stop()

@@ -60,8 +60,8 @@ LOG_QUIET, LOG_QUIET_WAIT = 2.0, 300.0
 _FENCE_WINDOW = 60.0
 # A primary whose store's service is briefly out of reach (`Store.is_transient`) recovers
 # again after a pause, doubling from 1 s up to STORE_RETRY_PAUSE; it fails for good once
-# the errors went on for STORE_RETRY_FOR seconds. A term that served that long before
-# its error starts the count anew.
+# the errors went on for STORE_RETRY_FOR seconds. A term that committed a transaction
+# before its error starts the count anew.
 STORE_RETRY_PAUSE, STORE_RETRY_FOR = 30.0, 300.0
 # Seconds a primary that took over waits for the others of its process still taking over.
 TAKE_OVER_HOLD = 0.2
@@ -140,7 +140,6 @@ class Replica:
         self.shard = self._new_shard(spec)
         self._fences: list[float] = []  # monotonic times this replica was fenced
         self._store_errors: list[float] = []  # monotonic times of transient store errors
-        self._term_began: float | None = None  # monotonic time this term became primary
         self.status = consumer_pb.ReplicaStatus(code=Code.IDLE)
         self.changed = asyncio.Event()  # set on every status change
         self.store: Store | None = None
@@ -352,9 +351,9 @@ class Replica:
         store = self.store
         if store is None or self._stopping.is_set() or not store.is_transient(error):
             return False
-        now, began = time.monotonic(), self._term_began
-        if began is not None and now - began >= STORE_RETRY_FOR:
-            self._store_errors.clear()  # it served a while since the last ones
+        now = time.monotonic()
+        if self.loop is not None and self.loop.last_commit is not None:
+            self._store_errors.clear()  # this term committed: the store was back meanwhile
         self._store_errors.append(now)
         if now - self._store_errors[0] >= STORE_RETRY_FOR:
             log.error("shard %s: its store's errors went on for %.0fs; giving up", self.id,
@@ -509,7 +508,6 @@ class Replica:
             self._app = self._new_app()
             self.loop = None
         app = self.app  # raises AppInitFailed if the app could not be made with the replica
-        self._term_began = None  # until this term serves
         fs = None
         phases = _Phases()
         with runtime.taking_over.counted():
@@ -557,7 +555,6 @@ class Replica:
         publisher = ShardPublisher(Publisher(shard.appends), shard.output)
         self.loop = TransactionLoop(shard, app, store, publisher, source, hooks)
         self._set_status(Code.PRIMARY)
-        self._term_began = time.monotonic()
         log.info(
             "shard %s: primary, reading %s (%s)",
             shard.id,
