@@ -683,3 +683,44 @@ async def test_a_destroy_given_up_on_does_not_block_the_loop(tmp_path: Path, sha
         assert time.monotonic() - began < 2.0
     finally:
         release.set()
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_only_a_database_out_of_reach_is_transient(new_store, postgres_url,
+                                                         shard) -> None:
+    """A dropped connection or one refused is worth recovering again for; a statement
+    timeout or a mistake in the app's SQL is not (it was: any OperationalError)."""
+    store = new_store()
+    await store.restore_checkpoint(shard)
+
+    async def raised(statement: str) -> BaseException:
+        try:
+            await store.run(lambda conn: conn.exec_driver_sql(statement))
+        except Exception as error:
+            return error
+        raise AssertionError(f"{statement} raised nothing")
+
+    timeout = await raised("SET LOCAL statement_timeout = 10; SELECT pg_sleep(1)")
+    assert isinstance(timeout, sa.exc.OperationalError) and not store.is_transient(timeout)
+    await store.run(lambda conn: conn.rollback())
+    mistake = await raised("SELECT no_such_column FROM streamkit_checkpoints")
+    assert not store.is_transient(mistake)
+    await store.run(lambda conn: conn.rollback())
+    pid = await store.run(lambda conn: conn.exec_driver_sql("SELECT pg_backend_pid()").scalar())
+    admin = sa.create_engine(postgres_url)
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"SELECT pg_terminate_backend({int(pid)})")
+    finally:
+        admin.dispose()
+    assert store.is_transient(await raised("SELECT 1"))
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    away = SQLStore(f"postgresql://postgres@127.0.0.1:{port}/none", shard)
+    try:
+        with pytest.raises(StoreError) as refused:
+            await away.restore_checkpoint(shard)
+        assert away.is_transient(refused.value)
+    finally:
+        await away.destroy()

@@ -378,15 +378,15 @@ class SQLStore(Store):
 
     def is_transient(self, error: BaseException) -> bool:
         """A connection the database dropped or refused (PostgreSQL restarting, a backend
-        terminated, a failover), a deadlock or serialization failure: the driver's
-        OperationalError, which SQLAlchemy also marks `connection_invalidated`. SQLite's
-        OperationalErrors name the app's mistakes too ("no such table"): only a dropped
-        connection counts there."""
-        networked = self._engine.dialect.name != "sqlite"
+        terminated, a failover), a deadlock or a serialization failure: an error SQLAlchemy
+        marks `connection_invalidated`, or whose server code says so (`_transient_code`).
+        An app's mistake (an unknown column, a statement timeout) is not."""
         for seen in causes(error):
             if isinstance(seen, sa.exc.DBAPIError):
-                return seen.connection_invalidated or (
-                    networked and isinstance(seen, sa.exc.OperationalError))
+                if seen.connection_invalidated:
+                    return True
+                # SQLite's errors are the file's or the app's, never a server's going away.
+                return self._engine.dialect.name != "sqlite" and _transient_code(seen)
             if isinstance(seen, sa.exc.PendingRollbackError):  # the app went on after one
                 return self._conn is not None and self._conn.invalidated
         return False
@@ -527,6 +527,30 @@ class SQLStore(Store):
                 raise
         else:
             op.resolve(pb.AppendResponse(status=pb.OK))
+
+
+# SQLSTATEs of errors that pass: connection exceptions (class 08), serialization failure,
+# deadlock, the server shutting down or starting, too many connections.
+_TRANSIENT_STATES = frozenset({"40001", "40P01", "57P01", "57P02", "57P03", "53300"})
+# MySQL's: can't connect, server gone away, lost connection, too many connections,
+# lock wait timeout, deadlock.
+_TRANSIENT_MYSQL = frozenset({2002, 2003, 2006, 2013, 1040, 1205, 1213})
+
+
+def _transient_code(error: sa.exc.DBAPIError) -> bool:
+    """Whether the driver's error says the server went away or asked for a retry. An
+    OperationalError without a server code is the connection's own failure (refused,
+    reset, timed out); any other code is the statement's."""
+    orig = error.orig
+    state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    args = getattr(orig, "args", ())
+    if not state and args and isinstance(args[0], dict):  # pg8000: the server's fields
+        state = args[0].get("C")
+    if isinstance(state, str) and state:
+        return state.startswith("08") or state in _TRANSIENT_STATES
+    if args and isinstance(args[0], int):  # MySQL drivers: (code, message)
+        return args[0] in _TRANSIENT_MYSQL
+    return isinstance(error, sa.exc.OperationalError)
 
 
 def _create_table(conn: sa.Connection) -> None:
