@@ -447,6 +447,23 @@ def test_serve_leaves_a_broker_out_of_reach_to_retries(tmp_path: Path,
         serve.stop()
 
 
+def test_serve_warns_of_a_plaintext_dial_closed_and_retries(
+        tmp_path: Path, tls_brokers: TlsBrokers) -> None:
+    """A plaintext dial the far end closes at once may be a TLS-only broker, or as well a
+    proxy with no broker behind it for now: said, not refused (exit 2) as a mistake."""
+    app = copy_wordcount(tmp_path / "wordcount")
+    broker = tls_brokers.mutual.address.removeprefix("https://")
+    serve = Proc.streamkit(["serve", str(app), "--broker", broker, "--suffix", "behind-proxy"],
+                           tmp_path / "serve.log").start()
+    try:
+        said = f"the broker at {broker} closed the connection"
+        asyncio.run(eventually(lambda: said in serve.text() or not serve.alive, 30, said))
+        assert serve.alive, serve.log()
+        assert "dial https://HOST:PORT" in serve.text(), serve.log()
+    finally:
+        serve.stop()
+
+
 async def _has_member(view: AppView, suffix: str) -> bool:
     return any(member.suffix == suffix for member in (await view.state()).members)
 

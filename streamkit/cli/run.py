@@ -252,11 +252,19 @@ async def _check_broker_accepts(client: BrokerClient, broker: str, security: Sec
             raise CliError(f"the broker at {broker} refuses this member's token ({err.code}: "
                            f"{err.details}): give the member the broker's --auth-keys",
                            DATA_ERROR) from None
-        advice = tls_trouble(err.details, tls=parse_address(client.address).tls, me="member",
+        tls = parse_address(client.address).tls
+        advice = tls_trouble(err.details, tls=tls, me="member",
                              client_cert=presents_certificate(security.client_tls))
-        if err.code == "UNAVAILABLE" and advice is not None:
-            raise CliError(f"refusing to serve: TLS with the broker at {broker} failed: "
-                           f"{advice} ({without_ok(err.details)})", DATA_ERROR) from None
+        if err.code != "UNAVAILABLE" or advice is None:
+            return
+        if not tls:
+            # A plaintext dial closed at once: a broker serving TLS only, or as likely a proxy
+            # with no broker behind it right now. Said, and left to the retries.
+            warn(f"the broker at {broker} closed the connection "
+                 f"({without_ok(err.details)}): {advice}; retrying")
+            return
+        raise CliError(f"refusing to serve: TLS with the broker at {broker} failed: "
+                       f"{advice} ({without_ok(err.details)})", DATA_ERROR) from None
     except TimeoutError:
         pass  # out of reach for now: the shards retry
 
