@@ -119,10 +119,10 @@ async def on_thread(executor: Executor, fn: Callable[..., T], *args: Any) -> T:
 def leave_behind(what: str) -> None:
     """Note that this process gave up waiting for `what` (a shard's store, its thread blocked
     in its database): the process's exit must not wait for it either (`left_behind`)."""
-    if what not in _LEFT_BEHIND:
-        _LEFT_BEHIND.append(what)
+    _LEFT_BEHIND.append(what)
 
 
 def left_behind() -> list[str]:
-    """What this process gave up waiting for (`leave_behind`), oldest first."""
+    """What this process gave up waiting for (`leave_behind`), oldest first; the same thing
+    given up on twice is there twice."""
     return list(_LEFT_BEHIND)

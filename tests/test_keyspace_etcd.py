@@ -376,3 +376,14 @@ async def test_frozen_etcd_times_out_with_an_uncertain_txn(private_etcd: EtcdSer
         finally:
             private_etcd.thaw()
         assert await ks.revision() >= 1
+
+
+async def test_an_empty_header_is_no_other_cluster(etcd_url: str) -> None:
+    """etcd's grpc-proxy answers some watch creates with an empty header (cluster id 0): no
+    news about the cluster, not another one (which fails every call for good)."""
+    from types import SimpleNamespace
+
+    async with open_keyspace(etcd_url) as ks:
+        await ks.revision()  # a real header: its cluster id is known from here on
+        ks._check_cluster(SimpleNamespace(cluster_id=0, revision=0))
+        await ks.put("still", b"fine")

@@ -87,6 +87,23 @@ async def test_restarts_then_gives_up(caplog: pytest.LogCaptureFixture) -> None:
     assert "giving up" in records[-1].getMessage()
 
 
+async def test_a_replaced_keyspace_is_given_up_on_at_once() -> None:
+    """No restart mends a KeySpace replaced under the process (every call fails from then
+    on): the loop is given up on, for the process to restart, not restarted 5 times."""
+    from streamkit.keyspace import ClusterChangedError
+
+    starts: list[int] = []
+    failures: list[LoopFailure] = []
+
+    async def loop() -> None:
+        starts.append(len(starts))
+        raise ClusterChangedError("etcd at h:1 is a different cluster")
+
+    await asyncio.wait_for(supervised("watch", loop, on_give_up=failures.append,
+                                      restart=QUICK), TIMEOUT)
+    assert len(starts) == 1 and len(failures) == 1
+
+
 async def test_cancelling_is_not_a_crash(caplog: pytest.LogCaptureFixture) -> None:
     running = asyncio.Event()
 

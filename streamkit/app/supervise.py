@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamkit.errors import StreamkitError
+from streamkit.keyspace import ClusterChangedError
 
 __all__ = ["LoopFailure", "Restart", "supervised"]
 
@@ -96,8 +97,11 @@ async def _supervise(
             error = e
         quick = restart is not None and clock.time() - started < restart.quick
         crashes = crashes + 1 if quick else 1
-        if restart is None or crashes > restart.limit:
-            after = f" after {restart.limit} quick restarts in a row" if restart else ""
+        if restart is None or crashes > restart.limit or isinstance(error, ClusterChangedError):
+            # (A KeySpace replaced under the process fails every call from then on: no
+            # restart mends that, only the process's.)
+            after = f" after {restart.limit} quick restarts in a row" if restart and \
+                crashes > restart.limit else ""
             # LeaseLost and its like say what happened: a traceback is for bugs.
             log.error("%sloop %s failed%s; giving up on it: %s: %s", who, name, after,
                       type(error).__name__, error,

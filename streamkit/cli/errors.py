@@ -257,7 +257,7 @@ def _unless_left_behind(ending: BaseException | None, earlier: int) -> None:
     elif ending is not None:
         code = FAILURE
     sys.stderr.write(f"streamkit: exiting without waiting for what is left behind: "
-                     f"{', '.join(stuck)}\n")
+                     f"{', '.join(dict.fromkeys(stuck))}\n")
     logging.shutdown()
     with contextlib.suppress(OSError, ValueError):
         sys.stdout.flush()
