@@ -852,6 +852,35 @@ async def test_cli_names_the_hook_the_line_and_the_shards_left(broker_proc: Brok
     assert sorted(handed + note[3].split(", ")) == [f"shard-{i:03d}" for i in range(8)]
 
 
+async def test_a_history_with_a_gap_is_backfilled_only_when_asked(
+        broker_proc: BrokerProcess, tmp_path: Path) -> None:
+    """Part of a source's history removed (retention, a prune): the backfill refuses, naming
+    the journal, unless --skip-missing. It replaced the shards' state with one computed
+    without it (a reshard kept 5% of every count), saying so only in the plan's summary."""
+    app = copy_wordcount(tmp_path / "app")
+    setup = await Setup.start(app, broker_proc)
+    try:
+        await publish(setup, "wordcount/lines", [{"id": i, "line": "a b"} for i in range(80)])
+    finally:
+        await setup.close()
+    assert broker_proc.terminate() == 0  # its spools persisted as fragment files
+    fragments = sorted((broker_proc.data_dir / "fragments").rglob("*.sz"))
+    assert fragments, list((broker_proc.data_dir / "fragments").rglob("*"))
+    fragments[0].unlink()  # the broker, started again, lists the rest
+    broker_proc.start()
+    journal = fragments[0].parent.relative_to(broker_proc.data_dir / "fragments").as_posix()
+    where = ["--broker", broker_proc.address, "--keyspace", str(app / "keyspace.db"),
+             "--fragment-root", str(broker_proc.data_dir / "fragments")]
+    refused = await asyncio.to_thread(_cli, str(app), "--processes", "2", *where)
+    assert refused.returncode == 1, refused.stderr
+    assert "part of the history is in no fragment any more" in refused.stderr
+    assert journal in refused.stderr and "--skip-missing" in refused.stderr, refused.stderr
+    done = await asyncio.to_thread(_cli, str(app), "--processes", "2", "--skip-missing",
+                                   *where)
+    assert done.returncode == 0, done.stderr
+    assert f"and skipped: {journal}" in done.stderr, done.stderr
+
+
 def _poisoned_app(folder: Path, name: str, policies: str) -> Path:
     app = copy_wordcount(folder)
     source = (app / "app.py").read_text() + "\n" + POISONED

@@ -126,6 +126,16 @@ def _echo_plan(summary: dict[str, Any]) -> None:
     click.echo(f"{', '.join(notes)}; store {summary['store']}, {txns}", err=True)
 
 
+def _missing(summary: dict[str, Any], most: int = 5) -> str:
+    """The journals whose planned range is not all in fragments, with how much is gone
+    ("" if none): the first `most` of them."""
+    gone = [f"{j['journal']} ({format_size(j['bytes_missing'])} of "
+            f"[{j['begin']}, {j['end']}))"
+            for shard in summary["shards"] for j in shard["journals"] if j["bytes_missing"]]
+    more = f" and {len(gone) - most} more journals" if len(gone) > most else ""
+    return ", ".join(gone[:most]) + more
+
+
 def _echo_results(results: list[dict[str, Any]]) -> None:
     rows = [[r["shard_id"], r["messages"], r["transactions"],
              ", ".join(f"{j}@{o}" for j, o in sorted(r["read_through"].items())),
@@ -177,6 +187,9 @@ def _progress_printer() -> Any:
 @click.option("--txn-size", type=click.IntRange(1), default=None,
               help="Messages per transaction (default: transactions last the shards' "
                    "max_duration, as live ones).")
+@click.option("--skip-missing", is_flag=True,
+              help="Backfill though part of the history is in no fragment any more (removed "
+                   "by retention or a prune): the state is computed without it.")
 @click.option("--log-level", default="WARNING", show_default=True,
               envvar="STREAMKIT_LOG_LEVEL")
 @security_options(dials=True)
@@ -186,7 +199,7 @@ async def backfill(app_dir: Path, use_spark: bool, processes: int | None, plan_o
                    spark_conf: tuple[str, ...], broker: str | None, port: int,
                    keyspace: str | None, fragment_root: Path | None, ends: tuple[str, ...],
                    store: str | None, shards: int | None, txn_size: int | None,
-                   log_level: str, security: Security) -> None:
+                   skip_missing: bool, log_level: str, security: Security) -> None:
     """Recompute APP_DIR's state (default: the current folder) from its journals' history.
 
     With --spark, the job goes to the Spark driver `streamkit spark start` keeps up, if one
@@ -252,6 +265,14 @@ async def backfill(app_dir: Path, use_spark: bool, processes: int | None, plan_o
                                    keyspace=_absolute(keyspace_url), fragment_root=root,
                                    ends=end_offsets, txn_size=txn_size or 0, epochs=epochs)
             plan = replace(plan, security=security_data(security))
+            if missing := _missing(plan.summary()):
+                if not (plan_only or skip_missing):
+                    raise CliError(
+                        f"part of the history is in no fragment any more (removed by retention "
+                        f"or a prune): {missing}; a backfill would replace the shards' state "
+                        "with one computed without it. Give --skip-missing to backfill what is "
+                        "left anyway")
+                warn(f"part of the history is in no fragment any more, and skipped: {missing}")
             if plan_only:
                 if as_json:
                     echo_json(plan.summary())
