@@ -619,3 +619,36 @@ def test_an_explicit_partition_count_that_does_not_fit_new_shards_is_refused(
         "the app has 8 shards: several shards would read each partition and process its "
         "messages several times. Leave partitions out (it follows the shard count) or set it "
         "to 8; for a broadcast topic every shard reads whole, set read: every-shard")
+
+
+async def test_deploy_keeps_a_retention_an_operator_gave(broker_proc: Any,
+                                                         tmp_path: Path) -> None:
+    """`journals apply` gives an app's topic a retention; the app's next start (a deploy)
+    keeps it. It reset every journal's retention to none, so pruning never pruned."""
+    from google.protobuf.duration_pb2 import Duration
+
+    from streamkit.app.member import deploy
+    from streamkit.client import BrokerClient
+    from streamkit.client.listing import apply_journals, list_journals
+    from streamkit.keyspace import open_keyspace
+    from streamkit.protocol import pb
+    from tests.e2e import copy_wordcount
+
+    app = copy_wordcount(tmp_path / "app")
+    config = load_config(app)
+    config = config.for_application(config.load_application())
+    async with (BrokerClient(broker_proc.address) as client,
+                open_keyspace(str(tmp_path / "keyspace.db")) as keyspace):
+        await deploy(config, client, keyspace)
+        name = config.journal_specs()[0].name
+        selector = pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="name",
+                                                                         value=name)]))
+        (listed,) = await list_journals(client, selector)
+        spec = pb.JournalSpec()
+        spec.CopyFrom(listed.spec)
+        spec.fragment.retention.CopyFrom(Duration(seconds=3600))
+        await apply_journals(client, [pb.ApplyRequest.Change(
+            expect_mod_revision=listed.mod_revision, upsert=spec)])
+        await deploy(config, client, keyspace)  # the app started again
+        (listed,) = await list_journals(client, selector)
+        assert listed.spec.fragment.retention.seconds == 3600

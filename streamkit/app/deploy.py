@@ -17,7 +17,10 @@ __all__ = ["ensure_journals", "ensure_shard_specs"]
 
 async def ensure_journals(client: BrokerClient, specs: Iterable[JournalSpec]) -> int:
     """Create missing journals and update changed ones, in one Apply; how many changed.
-    Lists just these journals, by name: not every journal of the broker."""
+    Lists just these journals, by name: not every journal of the broker.
+
+    A retention an operator gave an existing journal (`journals apply`) is kept where the
+    spec sets none: streamkit.yaml has no say in it, and each start reset it to none."""
     specs = list(specs)
     if not specs:
         return 0
@@ -27,6 +30,8 @@ async def ensure_journals(client: BrokerClient, specs: Iterable[JournalSpec]) ->
     for spec in specs:
         proto = spec.to_proto()
         current = existing.get(spec.name)
+        if current is not None and not proto.fragment.retention.ToNanoseconds():
+            proto.fragment.retention.CopyFrom(current.spec.fragment.retention)
         if current is None:
             changes.append(pb.ApplyRequest.Change(expect_mod_revision=0, upsert=proto))
         elif current.spec != proto:
