@@ -391,3 +391,30 @@ def test_a_fragment_of_a_store_taken_out_of_the_spec_is_unavailable_not_a_spin(
         assert wire.append(journals, journal, b"still served").status == pb.OK
     finally:
         broker.kill()
+
+
+def test_a_fragment_pruned_under_the_broker_is_skipped_within_seconds(
+        tmp_path: Path) -> None:
+    """`journals prune` deletes a fragment file the broker's index still lists: a read there
+    is UNAVAILABLE once, the stores are listed again at the next tick, and the read then
+    skips the gap. The index waited for the refresh interval (5 min by default), and a
+    read without --block retried the missing file all that time."""
+    broker = BrokerProcess(tmp_path / "broker").start()
+    journal = "pruned/j"
+    try:
+        journals = wire.stub(broker.address)
+        spec = wire.spec(journal, length=1024, codec=pb.NONE)
+        spec.fragment.refresh_interval.seconds = 3600  # no listing but the one asked for
+        wire.create(journals, spec)
+        for n in range(3):
+            assert wire.append(journals, journal, bytes([65 + n]) * 1500).status == pb.OK
+        wire.wait_until(lambda: sum(bool(f.backing_store)
+                                    for f in wire.fragments(journals, journal)) >= 2)
+        (first,) = [path for path in (broker.data_dir / "fragments" / "pruned" / "j").iterdir()
+                    if path.name.startswith("0000000000000000-")]
+        first.unlink()
+        assert _read_or_code(journals, journal) == grpc.StatusCode.UNAVAILABLE
+        wire.wait_until(lambda: _read_or_code(journals, journal) == b"B" * 1500 + b"C" * 1500,
+                        timeout=10)
+    finally:
+        broker.kill()

@@ -125,6 +125,7 @@ class ReadStream:
         try:
             stream = await store.in_thread(_open_at, store, fragment, self.offset)
         except (OSError, FragmentStoreError) as error:
+            self.replica.list_soon = True  # gone (pruned, say)? the next listing tells
             raise storage_fault(self.replica.name, doing, error) from error
         try:
             remaining = self._stop(fragment) - self.offset

@@ -59,6 +59,10 @@ class Replica:
         # knows (its oldest local spool); None once listed. Without spools it knows
         # nothing, not even the write head: the stores may hold the journal's history.
         self.known_from: int | None = 0
+        # A listed fragment could not be opened (pruned, or removed by another broker's
+        # retention): the index may be out of date, so the stores are listed again at the
+        # next tick rather than at the refresh interval (5 min by default).
+        self.list_soon = False
 
     # --- lifecycle -------------------------------------------------------
 
@@ -237,6 +241,7 @@ class Replica:
                 listed = await self._list_stores()
                 if listed is not None:
                     self.index.replace_remote(listed + self._persisted_meanwhile)
+                    self.list_soon = False
             finally:
                 self._persisted_meanwhile = None
             if listed is not None and self.known_from is not None:

@@ -280,7 +280,7 @@ class Broker:
 
     async def _maybe_refresh(self, replica: Replica, now: float) -> None:
         interval = replica.spec.fragment.refresh_interval.ToSeconds() or 300
-        if replica.known_from is not None:  # never listed yet: reads below it wait on it
+        if replica.known_from is not None or replica.list_soon:  # reads wait on a listing
             interval = TICK
         last = self._refreshed.setdefault(replica.name, now)
         if now - last >= interval and replica.name not in self._refreshing:
