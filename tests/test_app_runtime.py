@@ -806,3 +806,27 @@ async def test_store_errors_between_commits_start_the_count_anew(
         assert replica.status.code == Code.PRIMARY, replica.status
         assert caplog.text.count("recovering again in 1s") == 3, caplog.text
         await service.stop()
+
+
+async def test_an_abandoned_replica_assigned_again_serves_afresh(
+        shared_broker: Any, tmp_path: Path) -> None:
+    """A member's lease in doubt, and answered for again an instant later: its follower
+    assigns the same slots to replicas that were abandoned meanwhile. They were kept,
+    serving nothing for good while the KeySpace showed them PRIMARY."""
+    async with BrokerClient(shared_broker.address) as client:
+        base = unique_name("app")
+        journals = await _journals(client, base, 1)
+        specs = _specs(base, journals["inputs"])
+        service = Service(_runtime(WordCount, client, tmp_path, journals["outputs"]))
+        await service.assign(specs, {sid: 0 for sid in specs})
+        await _publish_lines(client, journals["inputs"], ["a b"] * 5)
+        await _wait_processed(service, client, journals["inputs"])
+        abandoned = service.replicas["shard-000"]
+        abandoned.abandon()
+        await service.assign(specs, {sid: 0 for sid in specs})  # the doubt is over
+        replica = service.replicas["shard-000"]
+        assert replica is not abandoned
+        await _publish_lines(client, journals["inputs"], ["b c"] * 5)
+        await _wait_processed(service, client, journals["inputs"])
+        assert await replica.query({"word": "b"}) == 10
+        await service.stop()

@@ -573,9 +573,10 @@ class Allocator:
         (see the module docstring): the member must not serve its shards meanwhile."""
         return self._in_doubt
 
-    async def wait_doubt_changed(self) -> None:
-        """Until `lease_in_doubt` changes."""
-        await self._doubt_changed.wait()
+    def doubt_changes(self) -> asyncio.Event:
+        """Set when `lease_in_doubt` next changes: taken before looking at it, so that a
+        change while the caller works on what it saw (doubt, then none again) is not lost."""
+        return self._doubt_changed
 
     def _set_doubt(self, in_doubt: bool) -> None:
         if in_doubt != self._in_doubt:

@@ -294,6 +294,7 @@ class Member:
         retry: float | None = None  # seconds until statuses not written are tried again
         while True:
             state = allocator.state
+            doubt_changes = allocator.doubt_changes()
             in_doubt = allocator.lease_in_doubt
             # Assignments under another lease than the member's are gone with that lease
             # (expired; the watch may not show it yet): serve none of them.
@@ -335,7 +336,7 @@ class Member:
                 [
                     allocator.wait_for_change(state.revision),
                     changed.wait(),
-                    allocator.wait_doubt_changed(),
+                    doubt_changes.wait(),
                 ],
                 retry,
             )

@@ -48,6 +48,11 @@ class Service:
         for shard_id, slot in slots.items():
             spec = specs[shard_id]
             replica = self.replicas.get(shard_id)
+            if replica is not None and replica.stopping:
+                # Abandoned (its member's lease was in doubt, and is answered for again): it
+                # serves no more, so a replica of the assignment starts afresh.
+                await self._drop(shard_id)
+                replica = None
             if replica is not None and slot != 0 and (
                 replica.shard.spec != spec or self._slots.get(shard_id, 0) == 0
             ):
