@@ -724,3 +724,26 @@ async def test_only_a_database_out_of_reach_is_transient(new_store, postgres_url
         assert away.is_transient(refused.value)
     finally:
         await away.destroy()
+
+
+async def test_a_shared_sqlite_file_locked_by_another_shard_is_transient(tmp_path: Path) -> None:
+    """Shards of the SQL store on one SQLite file (the scaffolded app's default) wait on each
+    other's writes; one writing past the busy timeout failed the other for good."""
+    url = f"sqlite:///{tmp_path / 'shared.db'}?timeout=0.1"
+    one, other = SQLStore(url, "test/one"), SQLStore(url, "test/other")
+    try:
+        await one.restore_checkpoint("one")
+        await other.restore_checkpoint("other")
+        await one.run(lambda conn: conn.exec_driver_sql(
+            "UPDATE streamkit_checkpoints SET fence = fence WHERE shard_fqn = 'test/one'"))
+        with pytest.raises(sa.exc.OperationalError) as locked:
+            await other.run(lambda conn: conn.exec_driver_sql(
+                "UPDATE streamkit_checkpoints SET fence = fence WHERE shard_fqn = 'test/other'"))
+        assert "database is locked" in str(locked.value)
+        assert other.is_transient(locked.value)
+        with pytest.raises(sa.exc.OperationalError) as mistake:
+            await other.run(lambda conn: conn.exec_driver_sql("SELECT * FROM no_such_table"))
+        assert not other.is_transient(mistake.value)
+    finally:
+        await one.destroy()
+        await other.destroy()

@@ -385,8 +385,12 @@ class SQLStore(Store):
             if isinstance(seen, sa.exc.DBAPIError):
                 if seen.connection_invalidated:
                     return True
-                # SQLite's errors are the file's or the app's, never a server's going away.
-                return self._engine.dialect.name != "sqlite" and _transient_code(seen)
+                if self._engine.dialect.name == "sqlite":
+                    # Its errors are the file's or the app's, never a server's going away;
+                    # but shards sharing the file wait on each other's writes, and one
+                    # writing longer than the busy timeout is no mistake.
+                    return "database is locked" in str(seen.orig)
+                return _transient_code(seen)
             if isinstance(seen, sa.exc.PendingRollbackError):  # the app went on after one
                 return self._conn is not None and self._conn.invalidated
         return False
