@@ -479,6 +479,8 @@ async def _check_http(running: Running, shard: str) -> None:
         assert code == 400 and "not JSON" in error["error"]
         code, error = await query(shard, b"[1]")
         assert code == 400 and "JSON object" in error["error"]
+        code, error = await query(shard, b"[" * 100_000)  # was a 500, a RecursionError logged
+        assert code == 400 and "nested too deeply" in error["error"], error
         assert await query(shard, b"{}") == (400, {"error": "a query needs a 'word'"})
         code, error = await query(shard, b'{"crash": 1}')
         assert code == 500 and "RuntimeError: query crashed" in error["error"]

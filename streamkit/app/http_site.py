@@ -99,6 +99,8 @@ class Handlers:
             return _error(413, body_too_large(self.security.max_body))
         except (ValueError, UnicodeDecodeError) as err:
             return _error(400, f"the request body is not JSON: {err}")
+        except RecursionError:  # "[[[[..." a hundred thousand deep
+            return _error(400, "the request body is JSON nested too deeply")
         if not isinstance(body, dict):
             return _error(400, f"the query must be a JSON object (got {type(body).__name__})")
         answering = asyncio.run_coroutine_threadsafe(_answer(replica, body), self.member_loop)
