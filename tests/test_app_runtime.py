@@ -387,19 +387,27 @@ async def test_fenced_primary_stopped_while_deciding_does_not_recover(
         assert replica.store is None and replica.loop is not None  # the term that ended
 
 
+async def _counting(client: BrokerClient, tmp_path: Path, lines: list[str]
+                    ) -> tuple[Service, dict[str, consumer_pb.ShardSpec], dict[str, Any]]:
+    """One WordCount shard, primary here, that counted `lines`: its Service, specs and
+    journals."""
+    base = unique_name("app")
+    journals = await _journals(client, base, 1)
+    specs = _specs(base, journals["inputs"])
+    service = Service(_runtime(WordCount, client, tmp_path, journals["outputs"]))
+    await service.assign(specs, {sid: 0 for sid in specs})
+    await _publish_lines(client, journals["inputs"], lines)
+    await _wait_processed(service, client, journals["inputs"])
+    return service, specs, journals
+
+
 async def test_stop_with_the_broker_gone_abandons_the_transaction(
     broker_proc: Any, tmp_path: Path
 ) -> None:
     """A graceful stop can't commit without a broker: it gives up after its timeout
     rather than hanging (nothing uncommitted was acknowledged, so nothing is lost)."""
     async with BrokerClient(broker_proc.address) as client:
-        base = unique_name("app")
-        journals = await _journals(client, base, 1)
-        specs = _specs(base, journals["inputs"])
-        service = Service(_runtime(WordCount, client, tmp_path, journals["outputs"]))
-        await service.assign(specs, {sid: 0 for sid in specs})
-        await _publish_lines(client, journals["inputs"], ["a b"] * 20)
-        await _wait_processed(service, client, journals["inputs"])
+        service, _, _ = await _counting(client, tmp_path, ["a b"] * 20)
         broker_proc.kill()
         # A liveness bound: that stop returns at all (how soon is for bench/, not a test).
         async with asyncio.timeout(LIVENESS):
@@ -814,13 +822,7 @@ async def test_an_abandoned_replica_assigned_again_serves_afresh(
     assigns the same slots to replicas that were abandoned meanwhile. They were kept,
     serving nothing for good while the KeySpace showed them PRIMARY."""
     async with BrokerClient(shared_broker.address) as client:
-        base = unique_name("app")
-        journals = await _journals(client, base, 1)
-        specs = _specs(base, journals["inputs"])
-        service = Service(_runtime(WordCount, client, tmp_path, journals["outputs"]))
-        await service.assign(specs, {sid: 0 for sid in specs})
-        await _publish_lines(client, journals["inputs"], ["a b"] * 5)
-        await _wait_processed(service, client, journals["inputs"])
+        service, specs, journals = await _counting(client, tmp_path, ["a b"] * 5)
         abandoned = service.replicas["shard-000"]
         abandoned.abandon()
         await service.assign(specs, {sid: 0 for sid in specs})  # the doubt is over

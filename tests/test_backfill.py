@@ -817,18 +817,24 @@ class Misconfigured(WordCount):
 """
 
 
-async def test_cli_names_the_hook_the_line_and_the_shards_left(broker_proc: BrokerProcess,
-                                                              tmp_path: Path) -> None:
-    """An app's hook failing a `--processes` backfill is reported as a live shard's failure
-    is (the transaction, the hook, the app's file:line; its frames logged, no traceback of
-    streamkit's), and the shards handed over before it, and those not, are named. Before,
-    the error named neither the hook nor the line, and the note named no shard."""
+async def _counted_app(tmp_path: Path, broker_proc: BrokerProcess) -> Path:
+    """The wordcount app, deployed, with 80 lines of history."""
     app = copy_wordcount(tmp_path / "app")
     setup = await Setup.start(app, broker_proc)
     try:
         await publish(setup, "wordcount/lines", [{"id": i, "line": "a b"} for i in range(80)])
     finally:
         await setup.close()
+    return app
+
+
+async def test_cli_names_the_hook_the_line_and_the_shards_left(broker_proc: BrokerProcess,
+                                                              tmp_path: Path) -> None:
+    """An app's hook failing a `--processes` backfill is reported as a live shard's failure
+    is (the transaction, the hook, the app's file:line; its frames logged, no traceback of
+    streamkit's), and the shards handed over before it, and those not, are named. Before,
+    the error named neither the hook nor the line, and the note named no shard."""
+    app = await _counted_app(tmp_path, broker_proc)
     (app / "app.py").write_text((app / "app.py").read_text() + MISCONFIGURED)
     (app / "streamkit.yaml").write_text((app / "streamkit.yaml").read_text().replace(
         "app:WordCount", "app:Misconfigured"))
@@ -857,12 +863,7 @@ async def test_a_history_with_a_gap_is_backfilled_only_when_asked(
     """Part of a source's history removed (retention, a prune): the backfill refuses, naming
     the journal, unless --skip-missing. It replaced the shards' state with one computed
     without it (a reshard kept 5% of every count), saying so only in the plan's summary."""
-    app = copy_wordcount(tmp_path / "app")
-    setup = await Setup.start(app, broker_proc)
-    try:
-        await publish(setup, "wordcount/lines", [{"id": i, "line": "a b"} for i in range(80)])
-    finally:
-        await setup.close()
+    app = await _counted_app(tmp_path, broker_proc)
     assert broker_proc.terminate() == 0  # its spools persisted as fragment files
     fragments = sorted((broker_proc.data_dir / "fragments").rglob("*.sz"))
     assert fragments, list((broker_proc.data_dir / "fragments").rglob("*"))

@@ -648,13 +648,18 @@ async def test_a_connection_dropped_between_transactions_is_replaced(
         admin.dispose()
 
 
+def _nowhere() -> str:
+    """A PostgreSQL URL of a port nothing listens on."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"postgresql://postgres@127.0.0.1:{port}/none"
+
+
 async def test_a_database_out_of_reach_at_restore_is_one_line(shard) -> None:
     """PostgreSQL down as a shard restores: one line naming the shard and the phase (it
     was SQLAlchemy's error with a 60-line traceback in the log)."""
-    with socket.socket() as probe:  # a port nothing listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    store = SQLStore(f"postgresql://postgres@127.0.0.1:{port}/none", shard)
+    store = SQLStore(_nowhere(), shard)
     try:
         with pytest.raises(StoreError) as failed:
             await store.restore_checkpoint(shard)
@@ -714,10 +719,7 @@ async def test_only_a_database_out_of_reach_is_transient(new_store, postgres_url
     finally:
         admin.dispose()
     assert store.is_transient(await raised("SELECT 1"))
-    with socket.socket() as probe:  # a port nothing listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    away = SQLStore(f"postgresql://postgres@127.0.0.1:{port}/none", shard)
+    away = SQLStore(_nowhere(), shard)
     try:
         with pytest.raises(StoreError) as refused:
             await away.restore_checkpoint(shard)
