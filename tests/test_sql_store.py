@@ -698,19 +698,21 @@ async def test_only_a_database_out_of_reach_is_transient(new_store, postgres_url
     store = new_store()
     await store.restore_checkpoint(shard)
 
+    def attempt(conn: sa.Connection, statement: str) -> None:
+        with conn.begin_nested():  # a savepoint: the transaction goes on after its error
+            conn.exec_driver_sql(statement)
+
     async def raised(statement: str) -> BaseException:
         try:
-            await store.run(lambda conn: conn.exec_driver_sql(statement))
+            await store.run(attempt, statement)
         except Exception as error:
             return error
         raise AssertionError(f"{statement} raised nothing")
 
     timeout = await raised("SET LOCAL statement_timeout = 10; SELECT pg_sleep(1)")
     assert isinstance(timeout, sa.exc.OperationalError) and not store.is_transient(timeout)
-    await store.run(lambda conn: conn.rollback())
     mistake = await raised("SELECT no_such_column FROM streamkit_checkpoints")
     assert not store.is_transient(mistake)
-    await store.run(lambda conn: conn.rollback())
     pid = await store.run(lambda conn: conn.exec_driver_sql("SELECT pg_backend_pid()").scalar())
     admin = sa.create_engine(postgres_url)
     try:
@@ -749,3 +751,14 @@ async def test_a_shared_sqlite_file_locked_by_another_shard_is_transient(tmp_pat
     finally:
         await one.destroy()
         await other.destroy()
+
+
+async def test_an_app_ending_the_transaction_itself_is_refused(new_store, shard) -> None:
+    """`conn.commit()` inside `store.run` committed the transaction's state without its
+    checkpoint: a crash before the next commit counted its messages twice, silently."""
+    store = new_store()
+    await store.restore_checkpoint(shard)
+    for end in ("commit", "rollback"):
+        with pytest.raises(StoreError, match="the app's code ended the consumer transaction"):
+            await store.run(lambda conn, end=end: getattr(conn, end)())
+    await store.run(lambda conn: conn.exec_driver_sql("SELECT 1"))  # in a transaction again

@@ -439,7 +439,17 @@ class SQLStore(Store):
         return self._conn
 
     def _in_transaction(self, fn: Callable[..., T], *args: Any) -> T:
-        return fn(self._begun(), *args)
+        conn = self._begun()
+        transaction = conn.get_transaction()
+        result = fn(conn, *args)
+        if conn.get_transaction() is not transaction:
+            # Committed without its checkpoint: a crash before the next commit would have
+            # the transaction's messages counted again. Said at once, not at that crash.
+            raise StoreError(
+                f"shard {self.shard_fqn}: the app's code ended the consumer transaction "
+                "(a commit or rollback on the store's connection): the store commits it, "
+                "with the checkpoint, when the transaction ends")
+        return result
 
     def _rollback(self) -> None:
         if self._conn is not None and self._conn.in_transaction():
