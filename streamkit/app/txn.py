@@ -143,6 +143,19 @@ class TransactionFailed(StreamkitError):
         self.shard, self.number, self.phase = shard, number, phase
 
 
+def poison_failed(shard: str, number: int, env: Envelope, error: Exception) -> TransactionFailed:
+    """The failure of transaction `number` at a poison message not passed over.
+
+    A frame that doesn't decode fails the read (its error names journal and
+    offset); a message the app's consume_message raised on is named here.
+    Live shards and backfill tasks fail alike.
+    """
+    if type(env.message) is BadFrame:
+        return TransactionFailed(shard, number, "read", error)
+    return TransactionFailed(shard, number, "consume_message", error,
+                             f"the message at {env.journal} offset {env.begin}")
+
+
 def must_close(
     elapsed: float,
     min_duration: float,
@@ -480,11 +493,7 @@ class TransactionLoop:
     def _pass_over_or_fail(self, env: Envelope, error: Exception) -> None:
         """A poison message: pass over it as its source's policy says, or fail naming it."""
         if not self._poison.pass_over(env, error):
-            if type(env.message) is BadFrame:  # its error names journal and offset
-                raise TransactionFailed(self.shard.id, self._number, "read", error) from error
-            raise TransactionFailed(self.shard.id, self._number, "consume_message", error,
-                                    f"the message at {env.journal} offset {env.begin}"
-                                    ) from error
+            raise poison_failed(self.shard.id, self._number, env, error) from error
         self._skipped += 1
 
     async def _acknowledged(

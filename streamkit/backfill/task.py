@@ -59,7 +59,12 @@ from streamkit.app.replica import AppInitFailed
 from streamkit.app.shard import Shard
 from streamkit.app.sources import BadFrame
 from streamkit.app.store_kinds import build_store, records_to_log
-from streamkit.app.txn import TransactionFailed, awaitable_hook, reappend_ack_intents
+from streamkit.app.txn import (
+    TransactionFailed,
+    awaitable_hook,
+    poison_failed,
+    reappend_ack_intents,
+)
 from streamkit.backfill.errors import BackfillError
 from streamkit.backfill.handover import hand_over
 from streamkit.backfill.plan import BackfillPlan, ShardPlan
@@ -244,13 +249,8 @@ class TransactionRunner:
     def _pass_over_or_fail(self, env: Envelope, error: Exception) -> None:
         """A poison message: pass over it as its source's policy says, or fail naming it
         (as the live shard does: a frame that doesn't decode fails the read)."""
-        if self._poison.pass_over(env, error):
-            return
-        number = self.transactions + 1
-        if type(env.message) is BadFrame:  # its error names journal and offset
-            raise TransactionFailed(self.shard.id, number, "read", error) from error
-        raise TransactionFailed(self.shard.id, number, "consume_message", error,
-                                f"the message at {env.journal} offset {env.begin}") from error
+        if not self._poison.pass_over(env, error):
+            raise poison_failed(self.shard.id, self.transactions + 1, env, error) from error
 
     async def _start_txn(self) -> None:
         self._deadline = time.monotonic() + self.max_duration
