@@ -123,6 +123,10 @@ async def test_shards_prune_cli_then_the_app_recovers_exactly(
                     "--file-root", str(broker_proc.data_dir / "fragments")]
             wrong = cli(*args[:-1], str(tmp_path / "not-the-root"))
             assert wrong.returncode == 1 and "is --file-root" in wrong.stderr, wrong.stderr
+            # Without it: the app's bundled broker's (not one under the current folder).
+            bundled = cli(*args[:-2])
+            assert bundled.returncode == 1, bundled.stderr
+            assert f"is --file-root {app / '.streamkit/broker/fragments'} " in bundled.stderr
             dry = cli(*args, "--dry-run")
             assert dry.returncode == 0, dry.stderr
             done = cli(*args)

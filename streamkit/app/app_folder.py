@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["CONFIG_FILE", "DATA_DIR", "data_dir_of", "is_app_folder"]
+__all__ = ["CONFIG_FILE", "DATA_DIR", "bundled_fragments", "data_dir_of", "is_app_folder"]
 
 CONFIG_FILE = "streamkit.yaml"
 DATA_DIR = ".streamkit"  # the bundled broker's data, the KeySpace, the shards' directories
@@ -16,6 +16,11 @@ DATA_DIR = ".streamkit"  # the bundled broker's data, the KeySpace, the shards' 
 
 def data_dir_of(app_dir: Path) -> Path:
     return app_dir / DATA_DIR
+
+
+def bundled_fragments(app_dir: Path) -> Path:
+    """Where the app's bundled broker keeps its fragments (its file:/// store root)."""
+    return data_dir_of(app_dir) / "broker" / "fragments"
 
 
 def is_app_folder(app_dir: Path) -> bool:

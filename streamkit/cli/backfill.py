@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from streamkit.app.app_folder import bundled_fragments
 from streamkit.app.config import AppConfig, load_config
 from streamkit.app.layout import Layout, read_layout
 from streamkit.app.member import deploy
@@ -71,7 +72,7 @@ async def _broker(config: AppConfig, broker: str | None, port: int, keyspace_url
     if broker is not None:
         yield broker, fragment_root
         return
-    bundled_root = config.data_dir / "broker" / "fragments"
+    bundled_root = bundled_fragments(config.app_dir)
     root = fragment_root or bundled_root
     if port_in_use(port):
         yield f"127.0.0.1:{port}", root if root.is_dir() else None

@@ -20,6 +20,7 @@ from typing import IO, Any, TypeVar
 
 import click
 
+from streamkit.app.app_folder import bundled_fragments
 from streamkit.auth.settings import Security
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command, warn
 from streamkit.cli.journal_apply import apply_specs, read_spec_file
@@ -41,7 +42,7 @@ __all__ = ["journals"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 Listed = pb.ListResponse.Journal
-DEFAULT_FILE_ROOT = Path(".streamkit/broker/fragments")
+DEFAULT_FILE_ROOT = bundled_fragments(Path())  # run where the app is
 
 
 # --- shared options and parameter types ------------------------------------------

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from streamkit.app.app_folder import data_dir_of, is_app_folder
+from streamkit.app.app_folder import bundled_fragments, data_dir_of, is_app_folder
 from streamkit.app.gc_tuning import hold_collections
 from streamkit.app.store_kinds import STORE_KINDS
 from streamkit.app.waits import first_of
@@ -472,7 +472,7 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
                                  port)
             scheme = "https://" if security.server_tls is not None else ""
             broker = f"{scheme}127.0.0.1:{port}"
-            file_root = data_dir / "broker" / "fragments"
+            file_root = bundled_fragments(app_dir)
         overrides = {"shards": shards, "store": store}
         workers_.extend(_start_worker(index, app_dir, broker, keyspace_url, file_root,
                                       overrides, workers, log_level, lease_ttl, security)

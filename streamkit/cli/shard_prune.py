@@ -14,11 +14,12 @@ from pathlib import Path
 
 import click
 
+from streamkit.app.app_folder import bundled_fragments
 from streamkit.app.shard_ops import get_hints, list_shards
 from streamkit.auth.settings import Security
 from streamkit.cli.errors import CliError, async_command, warn
 from streamkit.cli.journal_fragments import Removal
-from streamkit.cli.journals import DEFAULT_FILE_ROOT, broker_option
+from streamkit.cli.journals import broker_option
 from streamkit.cli.output import plural
 from streamkit.cli.security_options import security_options
 from streamkit.cli.shards import app_options, opened
@@ -52,14 +53,14 @@ def _every(_ctx: click.Context, _param: click.Parameter, value: str | None) -> f
 @click.option("--dry-run", is_flag=True, help="List what would be deleted; delete nothing.")
 @click.option("--every", metavar="DURATION", callback=_every,
               help='Prune again every DURATION (e.g. "1h") until interrupted.')
-@click.option("--file-root", type=click.Path(file_okay=False, path_type=Path),
-              default=DEFAULT_FILE_ROOT, show_default=True,
-              help="Where file:/// stores live: the broker's --file-root.")
+@click.option("--file-root", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where file:/// stores live: the broker's --file-root (default: the "
+                   "bundled broker's, in the --app folder's .streamkit/broker/fragments).")
 @broker_option
 @app_options
 @security_options(dials=True)
 @async_command()
-async def prune_cmd(selector: str, dry_run: bool, every: float | None, file_root: Path,
+async def prune_cmd(selector: str, dry_run: bool, every: float | None, file_root: Path | None,
                     broker: str, app_dir: Path, keyspace_url: str | None,
                     root: str | None, security: Security) -> None:
     """Delete recovery-log fragments that no playback of the shards can need.
@@ -69,6 +70,8 @@ async def prune_cmd(selector: str, dry_run: bool, every: float | None, file_root
     keep their whole log.
     """
     parsed = parse_selector(selector)
+    if file_root is None:  # the bundled broker's, wherever this command runs from
+        file_root = bundled_fragments(app_dir)
     while True:
         async with opened(app_dir, keyspace_url, root) as (keyspace, app_root), \
                 BrokerClient(broker, security) as client:
