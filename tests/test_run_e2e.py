@@ -487,3 +487,42 @@ async def test_a_member_lists_its_shard_metrics_before_any_transaction(
                    "streamkit_shard_skipped_messages_total"):
         assert f"# TYPE {family} " in text, text[:2000]
     assert "streamkit_shard_transactions_total{" not in text  # no transaction yet
+
+
+async def test_a_killed_members_shard_files_are_removed_by_the_next(
+        broker_proc: BrokerProcess, tmp_path: Path) -> None:
+    """`serve` names its member (and its folder of shard files) `<host>-<pid>`, never used
+    again: a SIGKILLed one's folder would stay for good. The next member to start removes
+    this host's folders whose process is gone, and keeps those of live processes and of
+    members named otherwise; counts stay exact."""
+    app = copy_wordcount(tmp_path / "wordcount")
+    address = broker_proc.address
+    shards = app / ".streamkit" / "shards"
+    host = os.uname().nodename
+    kept = [shards / f"{host}-{os.getpid()}", shards / "worker-1", shards / "other-12"]
+    for folder in kept:
+        (folder / "shard-000").mkdir(parents=True)
+    async with AppView(app, address) as view:
+        await view.state()  # opens (creates) the KeySpace
+        await deploy(view.config, view.client, view.keyspace)
+        first = Proc.streamkit(["serve", str(app), "--broker", address],
+                               tmp_path / "serve-1.log").start()
+        member = Proc.streamkit(["serve", str(app), "--broker", address],
+                                tmp_path / "serve-2.log")
+        try:
+            await view.wait_serving(timeout=60)
+            ids = Feeder(app, address, tmp_path / "feed.log", count=200, interval=0).start() \
+                .finish()
+            await view.wait_caught_up(timeout=60)
+            assert first.proc is not None
+            left = shards / f"{host}-{first.proc.pid}"
+            assert any(left.rglob("*")), sorted(shards.rglob("*"))
+            first.kill()
+            member.start()
+            await _check_exact(view, ids)
+            await eventually(lambda: not left.exists(), what=f"{left} removed")
+            assert all(folder.is_dir() for folder in kept), sorted(shards.iterdir())
+            assert f"removed {left}" in member.text(), member.log()
+        finally:
+            first.stop()
+            member.stop()

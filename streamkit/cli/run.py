@@ -48,6 +48,7 @@ from streamkit.app.app_folder import bundled_fragments, data_dir_of, is_app_fold
 from streamkit.app.gc_tuning import hold_collections
 from streamkit.app.store_kinds import STORE_KINDS
 from streamkit.app.waits import first_of
+from streamkit.app.work_dirs import remove_abandoned
 from streamkit.auth.settings import Exposed, Security
 from streamkit.broker.data_lock import data_dir_holder
 from streamkit.cli.children import Child, Supervisor, port_in_use, start_child
@@ -160,7 +161,11 @@ async def _member(config: AppConfig, app_class: type, client: BrokerClient, keys
             await http_runner.ready()
         except OSError as err:
             raise CliError(f"the member cannot serve its HTTP API: {err}", DATA_ERROR) from None
+        # In a thread, beside serving: a dead member's RocksDB files may be many.
+        sweep = asyncio.create_task(asyncio.to_thread(
+            remove_abandoned, options.work_dir.parent, os.uname().nodename))
         yield member
+        del sweep  # (held until here: a task only the loop refers to may be collected)
     finally:
         await member.stop(stop_timeout())
         await grpc_server.stop(1.0)
