@@ -652,3 +652,70 @@ async def test_deploy_keeps_a_retention_an_operator_gave(broker_proc: Any,
         await deploy(config, client, keyspace)  # the app started again
         (listed,) = await list_journals(client, selector)
         assert listed.spec.fragment.retention.seconds == 3600
+
+
+async def test_another_keyspaces_deployment_is_refused_the_apps_recovery_logs(
+        broker_proc: Any, tmp_path: Path) -> None:
+    """One app name deployed from two KeySpaces on one broker (staging beside production)
+    would share the shards' recovery logs, each side fencing the other's primaries. Logs
+    are labeled with their KeySpace's deployment id: a deploy from another KeySpace is
+    refused, naming a log and how to go on, unless it adopts them (`streamkit deploy
+    --adopt-recovery-logs`); logs from before the label are adopted silently."""
+    from streamkit.app.config import DEPLOYMENT_LABEL
+    from streamkit.app.deploy import DeploymentConflict
+    from streamkit.app.member import deploy
+    from streamkit.client import BrokerClient
+    from streamkit.client.listing import apply_journals, list_journals
+    from streamkit.keyspace import open_keyspace
+    from streamkit.protocol import pb
+    from tests.e2e import cli, copy_wordcount
+
+    app = copy_wordcount(tmp_path / "app", shards=2)
+    config = load_config(app)
+    config = config.for_application(config.load_application())
+    production, staging = str(tmp_path / "production.db"), str(tmp_path / "staging.db")
+    selector = pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(
+        name="content-type", value="application/x-gazette-recoverylog")]))
+
+    async def owners(client: BrokerClient) -> set[str]:
+        return {label.value for listed in await list_journals(client, selector)
+                for label in listed.spec.labels.labels if label.name == DEPLOYMENT_LABEL}
+
+    async with BrokerClient(broker_proc.address) as client:
+        async with open_keyspace(production) as keyspace:
+            await deploy(config, client, keyspace)
+            await deploy(config, client, keyspace)  # started again: the same deployment
+        (ours,) = await owners(client)
+        async with open_keyspace(staging) as keyspace:
+            with pytest.raises(DeploymentConflict, match=(
+                    rf"recovery log recovery/{config.name}/shard-000 \(and 1 more\) belongs to "
+                    rf"another deployment .*id {ours};.*--adopt-recovery-logs")):
+                await deploy(config, client, keyspace)
+        assert await owners(client) == {ours}
+
+        args = ["deploy", str(app), "--broker", broker_proc.address, "--keyspace"]
+        refused = cli(*args, staging)
+        assert refused.returncode == 1, refused.stderr
+        assert "belongs to another deployment" in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+        adopted = cli(*args, staging, "--adopt-recovery-logs")
+        assert adopted.returncode == 0, adopted.stderr
+        (theirs,) = await owners(client)
+        assert theirs != ours
+        async with open_keyspace(production) as keyspace:
+            with pytest.raises(DeploymentConflict):
+                await deploy(config, client, keyspace)
+
+            # Logs labeled by no deployment (made before the label) are this one's.
+            changes = []
+            for listed in await list_journals(client, selector):
+                spec = pb.JournalSpec()
+                spec.CopyFrom(listed.spec)
+                kept = [lbl for lbl in spec.labels.labels if lbl.name != DEPLOYMENT_LABEL]
+                spec.labels.CopyFrom(pb.LabelSet(labels=kept))
+                changes.append(pb.ApplyRequest.Change(expect_mod_revision=listed.mod_revision,
+                                                      upsert=spec))
+            await apply_journals(client, changes)
+            assert await owners(client) == set()
+            await deploy(config, client, keyspace)
+        assert await owners(client) == {ours}

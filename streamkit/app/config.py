@@ -98,6 +98,8 @@ __all__ = [
 DEFAULT_STORE = "rocksdb"  # when neither streamkit.yaml nor the Application names one
 TOPIC_LABEL = "app.streamkit.dev/topic"  # on every partition of a topic
 APP_LABEL = "app"  # on shard specs and recovery logs: the app's name
+# On recovery logs: the id of the deployment (KeySpace) whose shards write them.
+DEPLOYMENT_LABEL = "app.streamkit.dev/deployment"
 NAME_RE = re.compile(r"[a-z][a-z0-9-]*")
 MAX_NAME_LEN = 63
 MAX_SHARDS = 1000  # shard ids and partition names keep three digits
@@ -645,9 +647,10 @@ class AppConfig(_Model):
 
     # --- specs --------------------------------------------------------------------
 
-    def journal_specs(self) -> list[JournalSpec]:
+    def journal_specs(self, deployment: str = "") -> list[JournalSpec]:
         """Every journal the app needs: topic partitions, its dead-letter journal if a
-        source dead-letters, then the shards' recovery logs."""
+        source dead-letters, then the shards' recovery logs (labeled with `deployment`,
+        the id of the KeySpace's deployment of the app, when given: app/deployment.py)."""
         specs = [
             topic.journal_spec(journal) for topic in self.topics() for journal in topic.journals()
         ]
@@ -670,6 +673,8 @@ class AppConfig(_Model):
                         labels=[
                             Label(name="content-type", value=RECOVERY_LOG_CONTENT_TYPE),
                             Label(name=APP_LABEL, value=self.name),
+                            *([Label(name=DEPLOYMENT_LABEL, value=deployment)]
+                              if deployment else []),
                         ],
                         fragment=_RECOVERY_LOG_FRAGMENT,
                     )

@@ -1,35 +1,53 @@
-"""Making an application's journals and shard specs exist as its config describes them."""
+"""Making an application's journals and shard specs exist as its config describes them.
+
+Recovery logs carry the deployment they belong to. An app's journals are
+named from its name alone (`recovery/<app>/<shard>`), while its shards' specs,
+hints and layout live in a KeySpace. Two KeySpaces deploying one app name on
+one broker (a staging copy under another etcd prefix beside production, say)
+would share recovery logs: each one's primaries would fence the other's, and
+a playback would read the other's state. So each KeySpace holds an id for its
+deployment of the app (`<root>/deployment`, made at its first deploy), every
+recovery log is labeled with the id of the deployment that made it, and a
+deploy from another KeySpace is refused, unless told to adopt the logs (the
+KeySpace that wrote them was lost and this one replaces it).
+"""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable
 
 from streamkit.app.assignment import item_key
+from streamkit.app.config import DEPLOYMENT_LABEL
 from streamkit.client import BrokerClient
 from streamkit.client.listing import apply_journals, list_journals
-from streamkit.keyspace.keyspace import KeySpace
+from streamkit.errors import StreamkitError
+from streamkit.keyspace.keyspace import Compare, KeySpace, Put
 from streamkit.protocol import consumer_pb, pb
 from streamkit.protocol.labels import label_set
 from streamkit.protocol.spec import JournalSpec
 
-__all__ = ["ensure_journals", "ensure_shard_specs"]
+__all__ = ["DeploymentConflict", "deployment_id", "ensure_journals", "ensure_shard_specs"]
 
 
-async def ensure_journals(client: BrokerClient, specs: Iterable[JournalSpec]) -> int:
+async def ensure_journals(client: BrokerClient, specs: Iterable[JournalSpec],
+                          adopt: bool = False) -> int:
     """Create missing journals and update changed ones, in one Apply; how many changed.
     Lists just these journals, by name: not every journal of the broker.
 
     A retention an operator gave an existing journal (`journals apply`) is kept where the
-    spec sets none: streamkit.yaml has no say in it, and each start reset it to none."""
-    specs = list(specs)
-    if not specs:
+    spec sets none: streamkit.yaml has no say in it, and each start reset it to none.
+    A recovery log of another deployment is a DeploymentConflict, unless `adopt`."""
+    protos = [spec.to_proto() for spec in specs]
+    if not protos:
         return 0
-    named = pb.LabelSelector(include=label_set(*(("name", spec.name) for spec in specs)))
+    named = pb.LabelSelector(include=label_set(*(("name", spec.name) for spec in protos)))
     existing = {j.spec.name: j for j in await list_journals(client, named)}
+    if not adopt:
+        _check_deployment(protos, {name: j.spec for name, j in existing.items()})
     changes = []
-    for spec in specs:
-        proto = spec.to_proto()
-        current = existing.get(spec.name)
+    for proto in protos:
+        current = existing.get(proto.name)
         if current is not None and not proto.fragment.retention.ToNanoseconds():
             proto.fragment.retention.CopyFrom(current.spec.fragment.retention)
         if current is None:
@@ -56,3 +74,57 @@ async def ensure_shard_specs(
             await keyspace.put(key, data)
             changed += 1
     return changed
+
+
+class DeploymentConflict(StreamkitError):
+    """The app's recovery logs on the broker belong to a deployment from another KeySpace."""
+
+    def __init__(self, logs: dict[str, str], ours: str) -> None:
+        first, other = next(iter(sorted(logs.items())))
+        more = f" (and {len(logs) - 1} more)" if len(logs) > 1 else ""
+        super().__init__(
+            f"recovery log {first}{more} belongs to another deployment of its app "
+            f"on this broker (id {other}; this KeySpace's is {ours}): two KeySpaces running "
+            f"one app name on one broker would share its shards' state. Give this copy "
+            f"another name (name: in streamkit.yaml), or another broker; if this KeySpace "
+            f"replaces the lost one that deployed it, adopt its logs with `streamkit deploy "
+            f"--adopt-recovery-logs`")
+        self.logs = logs
+
+
+def _key(root: str) -> str:
+    return f"{root}/deployment"
+
+
+async def deployment_id(keyspace: KeySpace, root: str) -> str:
+    """The id of the app's deployment in `keyspace` (app root `root`), made if it has none."""
+    key = _key(root)
+    while True:
+        if (kv := await keyspace.get(key)) is not None:
+            return kv.value.decode()
+        made = uuid.uuid4().hex  # (another deploy may be making one at the same time)
+        if (await keyspace.txn((Compare(key, create_revision=0),),
+                               (Put(key, made.encode()),))).succeeded:
+            return made
+
+
+def _check_deployment(specs: list[pb.JournalSpec], existing: dict[str, pb.JournalSpec]
+                      ) -> None:
+    """Raise DeploymentConflict if a journal of `specs` labeled with one deployment exists
+    (`existing`, by name) labeled with another. A log made before these labels (none) is
+    no other deployment's: it is labeled as this one's."""
+    foreign, ours = {}, ""
+    for spec in specs:
+        mine, current = _deployment_of(spec), existing.get(spec.name)
+        if not mine or current is None:
+            continue
+        ours, theirs = mine, _deployment_of(current)
+        if theirs and theirs != mine:
+            foreign[spec.name] = theirs
+    if foreign:
+        raise DeploymentConflict(foreign, ours)
+
+
+def _deployment_of(spec: pb.JournalSpec) -> str:
+    return next((label.value for label in spec.labels.labels
+                 if label.name == DEPLOYMENT_LABEL), "")

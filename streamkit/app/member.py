@@ -40,7 +40,7 @@ from streamkit.app.allocator import Allocator, LeaseLost
 from streamkit.app.application import Application
 from streamkit.app.assignment import Assignment, MemberId
 from streamkit.app.config import AppConfig
-from streamkit.app.deploy import ensure_journals, ensure_shard_specs
+from streamkit.app.deploy import deployment_id, ensure_journals, ensure_shard_specs
 from streamkit.app.layout import Layout, check_layout, write_layout
 from streamkit.app.peer_watch import PeerWatch
 from streamkit.app.replica import STOP_TIMEOUT, Runtime
@@ -65,15 +65,18 @@ FAILED_STOP_TIMEOUT = 5.0
 _REPORT_RETRY = 0.5
 
 
-async def deploy(config: AppConfig, client: BrokerClient, keyspace: KeySpace) -> None:
+async def deploy(config: AppConfig, client: BrokerClient, keyspace: KeySpace,
+                 adopt: bool = False) -> None:
     """Create or update the app's journals and shard specs.
 
     An app already deployed with another shard count is refused (LayoutError):
-    only a resharding backfill changes the count.
+    only a resharding backfill changes the count. So is one whose recovery logs
+    another KeySpace's deployment made (DeploymentConflict), unless `adopt`.
     """
     if await check_layout(config, keyspace) is None:
         await write_layout(keyspace, config.keyspace_root, Layout(shards=config.shards))
-    journals = await ensure_journals(client, config.journal_specs())
+    deployment = await deployment_id(keyspace, config.keyspace_root)
+    journals = await ensure_journals(client, config.journal_specs(deployment), adopt)
     shards = await ensure_shard_specs(keyspace, config.keyspace_root, config.shard_specs())
     if journals or shards:
         log.info(

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from streamkit.app.assignment import item_key, members_prefix
 from streamkit.app.config import PARTITION_PER_SHARD, TOPIC_LABEL, AppConfig
-from streamkit.app.deploy import ensure_journals, ensure_shard_specs
+from streamkit.app.deploy import deployment_id, ensure_journals, ensure_shard_specs
 from streamkit.app.hints import backup_key, primary_key
 from streamkit.app.layout import Epoch, Layout, write_layout
 from streamkit.app.store_kinds import records_to_log
@@ -82,7 +82,8 @@ async def apply_layout(config: AppConfig, client: BrokerClient, keyspace: KeySpa
     root = config.keyspace_root
     await write_layout(keyspace, root, layout)
     retired = await _retire_partitions(config, client)
-    await ensure_journals(client, config.journal_specs())
+    await ensure_journals(client, config.journal_specs(
+        await deployment_id(keyspace, root)))
     await ensure_shard_specs(keyspace, root, config.shard_specs())
     kept = set(config.shard_ids())
     items, _ = await keyspace.range(item_key(root, ""))

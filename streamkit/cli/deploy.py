@@ -34,10 +34,13 @@ __all__ = ["deploy"]
               help="Number of shards (default: streamkit.yaml's); must be the deployed count.")
 @click.option("--standbys", type=click.IntRange(0, 8), default=None,
               help="Hot standbys per shard (default: streamkit.yaml's).")
+@click.option("--adopt-recovery-logs", "adopt", is_flag=True,
+              help="Take over recovery logs another KeySpace's deployment of the app made "
+                   "(only when this KeySpace replaces that one, which was lost).")
 @security_options(dials=True)
 @async_command()
 async def deploy(app_dir: Path, broker: str, keyspace: str | None, shards: int | None,
-                 standbys: int | None, security: Security) -> None:
+                 standbys: int | None, adopt: bool, security: Security) -> None:
     """Create or update APP_DIR's journals and shard specs, then exit.
 
     For apps whose members run elsewhere (`streamkit serve`); `streamkit run`
@@ -46,7 +49,7 @@ async def deploy(app_dir: Path, broker: str, keyspace: str | None, shards: int |
     config, _ = app_config(app_dir, shards, standbys, None)
     async with BrokerClient(broker, security) as client, open_keyspace(
             keyspace_url_of(config, keyspace)) as ks:
-        await deploy_when_ready(config, client, ks, broker)
+        await deploy_when_ready(config, client, ks, broker, adopt=adopt)
     journals = len(config.journal_specs())
     click.echo(f"app {config.name}: {plural(journals, 'journal')} and "
                f"{plural(config.shards, 'shard')} deployed", err=True)

@@ -194,7 +194,7 @@ async def _wait_for_members(config: AppConfig, keyspace: KeySpace, workers: list
 
 
 async def deploy_when_ready(config: AppConfig, client: BrokerClient, keyspace: KeySpace,
-                             broker: str, timeout: float = 30.0) -> None:
+                             broker: str, timeout: float = 30.0, adopt: bool = False) -> None:
     """Create the app's journals and shards, retrying while the broker is still starting."""
     from streamkit.app.member import deploy
     from streamkit.client import TransportError
@@ -203,7 +203,7 @@ async def deploy_when_ready(config: AppConfig, client: BrokerClient, keyspace: K
     deadline = loop.time() + timeout
     while True:
         try:
-            await deploy(config, client, keyspace)
+            await deploy(config, client, keyspace, adopt)
             return
         except TransportError as err:
             if err.code not in _NOT_YET or loop.time() > deadline:
