@@ -158,6 +158,11 @@ def test_defaults_of_a_minimal_file(tmp_path: Path) -> None:
     ("store.kind", "redis", "store.kind: must be one of rocksdb, sqlite, sql, json (got 'redis')"),
     ("store.url", "sqlite:///x.db", "store.url: only a sql store takes a url (set kind: sql)"),
     ("store", {"kind": "sql", "url": "not a url"}, "store.url: not a SQLAlchemy database URL"),
+    ("store", {"kind": "sql", "url": "sqlite://"}, "store.url: an in-memory SQLite database"),
+    ("store", {"kind": "sql", "url": "sqlite:///:memory:"},
+     "store.url: an in-memory SQLite database loses the shards' state"),
+    ("store", {"kind": "sql", "url": "sqlite:///file:x?mode=memory&uri=true"},
+     "store.url: an in-memory SQLite database"),
     ("transactions.max_duration", "0s", "transactions.max_duration: must be more than 0s"),
     ("transactions.max_duration", "soon", "transactions.max_duration: not a duration"),
     ("transactions.min_duration", "-1s", "transactions.min_duration: must not be negative"),
@@ -261,6 +266,24 @@ def test_store_shorthand_and_sql_url(tmp_path: Path) -> None:
     assert config.sql_url() == url
     no_url = load_config(write_app(tmp_path, changed("store", "sql")))
     assert no_url.sql_url() == f"sqlite:///{tmp_path.resolve()}/.streamkit/store.sqlite"
+
+
+def test_a_relative_sqlite_file_is_in_the_apps_folder(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sqlite:///state.db` names a file in the app's folder, wherever the command runs
+    (`run` from the parent folder and `backfill` from the app's used two databases, the
+    backfill consuming the whole history again into an empty one); absolute files and
+    other databases are left as they are."""
+    app = tmp_path / "app"
+    monkeypatch.chdir(tmp_path)
+    for url, expected in (
+            ("sqlite:///state.db?timeout=5", f"sqlite:///{app.resolve()}/state.db?timeout=5"),
+            ("sqlite+pysqlite:///data/state.db", f"sqlite+pysqlite:///{app.resolve()}/data/state.db"),
+            ("sqlite:////var/state.db", "sqlite:////var/state.db"),
+            ("postgresql://user:secret@db/app", "postgresql://user:secret@db/app")):
+        write_app(app, changed("store", {"kind": "sql", "url": url}))
+        assert load_config("app").sql_url() == expected
+        assert load_config(app).sql_url() == expected
 
 
 def _yaml_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str) -> str:

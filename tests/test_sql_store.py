@@ -300,6 +300,16 @@ def test_missing_driver_is_one_line_naming_the_package(without_pg8000: str) -> N
     assert str(caught.value) == f"store.url {MISSING_DRIVER}"
 
 
+def test_an_sqlite_file_in_a_missing_folder_is_named(tmp_path: Path) -> None:
+    """SQLite says only "unable to open database file" (a shard failing with it, again and
+    again, named neither): the store names the file and the folder that is missing."""
+    url = f"sqlite:///{tmp_path}/nodir/x.db"
+    with pytest.raises(StoreError) as caught:
+        SQLStore(url, "test/shard")
+    assert str(caught.value) == (f"store.url {url}: folder {tmp_path}/nodir does not exist "
+                                 "(SQLite makes the database file, not its folder)")
+
+
 def test_missing_driver_fails_loading_the_config(without_pg8000: str) -> None:
     from streamkit.app.config import StoreConfig
 

@@ -321,13 +321,18 @@ class StoreConfig(_Model):
         from sqlalchemy.exc import ArgumentError
 
         try:
-            make_url(url)
+            parsed = make_url(url)
         except ArgumentError as err:
             raise ValueError(f"not a SQLAlchemy database URL ({err})") from None
         from streamkit.stores.sql import driver_problem  # a missing driver fails here, once
 
         if (problem := driver_problem(url)) is not None:
             raise ValueError(problem)
+        if parsed.get_backend_name() == "sqlite" and (
+                parsed.database in (None, "", ":memory:") or parsed.query.get("mode") == "memory"):
+            raise ValueError("an in-memory SQLite database loses the shards' state and their "
+                             "checkpoints at every stop (a restart would consume everything "
+                             "again): name a file, e.g. sqlite:///state.db (in the app's folder)")
         return url
 
     @model_validator(mode="after")
@@ -558,10 +563,20 @@ class AppConfig(_Model):
         return self.store.kind or DEFAULT_STORE
 
     def sql_url(self) -> str:
-        """The SQL store's database: `store.url`, or an SQLite file in the data dir."""
-        if self.store.url is not None:
+        """The SQL store's database: `store.url`, or an SQLite file in the data dir. A
+        relative SQLite file is in the app's folder, as other paths of the file are (not
+        in the folder a command happens to run from: `run` and `backfill` run from two
+        would use two databases)."""
+        if self.store.url is None:
+            return f"sqlite:///{(self.data_dir / 'store.sqlite').resolve()}"
+        from sqlalchemy.engine import make_url
+
+        url = make_url(self.store.url)
+        if url.get_backend_name() != "sqlite" or not url.database \
+                or Path(url.database).is_absolute() or url.database.startswith("file:"):
             return self.store.url
-        return f"sqlite:///{(self.data_dir / 'store.sqlite').resolve()}"
+        resolved = url.set(database=str((self.app_dir / url.database).resolve()))
+        return resolved.render_as_string(hide_password=False)
 
     # --- names --------------------------------------------------------------------
 

@@ -38,7 +38,8 @@ must not starve, so it has views only when the caller opts in with `views=N`
 (its pool must have room for N connections beside the writer's; an SQLite
 database must already be in WAL). Elsewhere queries wait for the transaction:
 on databases other than PostgreSQL and SQLite, SQLite outside WAL, an
-in-memory database (its pool shares one connection), and with `views=0`.
+in-memory database (each thread's connection has a database of its own), and
+with `views=0`.
 
 SQLAlchemy is synchronous, so all database work runs on one worker thread per
 store, through its one connection. One thread (rather than the default pool
@@ -55,6 +56,7 @@ import shlex
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
+from pathlib import Path
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
@@ -126,13 +128,29 @@ def _create_engine(url: str, views: int) -> sa.Engine:
     """
     if (problem := driver_problem(url)) is not None:
         raise StoreError(f"store.url {problem}")
+    if (problem := _sqlite_folder_problem(url)) is not None:
+        raise StoreError(f"store.url {problem}")
     try:
         # pool_pre_ping: a view's pooled connection that the database dropped (restarted)
         # is replaced at checkout, not found dead by a query.
         return sa.create_engine(url, pool_size=2 if views else 1,
                                 max_overflow=max(views - 1, 0), pool_pre_ping=True)
-    except TypeError:  # a pool without those sizes (an in-memory SQLite database's)
+    except TypeError:  # a pool without sizes (an in-memory SQLite database's, one per thread)
         return sa.create_engine(url)
+
+
+def _sqlite_folder_problem(url: str) -> str | None:
+    """Why SQLite can't make `url`'s file (its folder is missing), in words naming both;
+    SQLite itself says only "unable to open database file"."""
+    parsed = sa.make_url(url)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database \
+            or parsed.database == ":memory:" or parsed.database.startswith("file:"):
+        return None
+    folder = Path(parsed.database).absolute().parent
+    if folder.is_dir():
+        return None
+    return (f"{parsed.render_as_string(hide_password=True)}: folder {folder} does not exist "
+            f"(SQLite makes the database file, not its folder)")
 
 
 def _check_pool(engine: sa.Engine, views: int) -> None:
@@ -593,8 +611,8 @@ def _use_wal(conn: sa.Connection, shard_fqn: str) -> None:
 
 def _has_views(conn: sa.Connection) -> bool:
     """Whether committed views can read beside this connection's transactions, on an
-    engine the store made (see the module doc). An in-memory SQLite database, whose pool
-    shares one connection, reports journal_mode "memory"."""
+    engine the store made (see the module doc). An in-memory SQLite database reports
+    journal_mode "memory"."""
     if conn.dialect.name == "postgresql":
         return True
     if conn.dialect.name == "sqlite":
