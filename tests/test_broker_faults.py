@@ -117,6 +117,47 @@ def test_a_damaged_spool_serves_its_intact_prefix_and_spares_the_others(
         broker.kill()
 
 
+def test_a_spool_truncated_under_the_running_broker_serves_no_zeros(tmp_path: Path) -> None:
+    """The same damage while the broker runs: the next append is refused (FAILED_PRECONDITION,
+    naming the journal, the file and the span lost) instead of writing past the file's
+    end, which left a hole read, and persisted, as committed zeros with status OK. Reads
+    give the intact prefix, then DATA_LOSS; the other journals go on; a restart recovers
+    the appends the file still holds whole."""
+    broker = BrokerProcess(tmp_path / "broker").start()
+    try:
+        journals = wire.stub(broker.address)
+        wire.create(journals, wire.spec("live/hurt", codec=pb.NONE), wire.spec("live/fine"))
+        for i in range(3):
+            wire.append(journals, "live/hurt", body(i, 40 << 10))
+        (spool,) = (broker.data_dir / "journals" / "live" / "hurt" / "@spool").glob("*.spool")
+        os.truncate(spool, 50000)
+        with pytest.raises(grpc.RpcError) as refused:
+            wire.append(journals, "live/hurt", body(3, 40 << 10))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # until a restart
+        assert (f"journal live/hurt: its spool {spool} holds 50000 of the {120 << 10} bytes "
+                f"committed (damaged from outside the broker): [50000, {120 << 10}) is lost"
+                ) in refused.value.details(), refused.value.details()
+        code, text = put(broker, "live/hurt", b"more")
+        assert code == 503 and "damaged from outside the broker" in text, (code, text)
+        intact = (body(0, 40 << 10) + body(1, 40 << 10))[:50000]
+        assert wire.read(journals, "live/hurt", end=50000)[0] == intact
+        with pytest.raises(grpc.RpcError) as lost:
+            wire.read(journals, "live/hurt")
+        assert lost.value.code() == grpc.StatusCode.DATA_LOSS, lost.value.details()
+        assert "journal live/hurt: DAMAGED" in broker.log()
+        assert wire.append(journals, "live/fine", b"fine").commit.end == 4
+    finally:
+        broker.kill()
+    broker.start()
+    try:
+        journals = wire.stub(broker.address)
+        # (Recovery keeps whole appends: the first, which the file still holds whole.)
+        assert wire.read(journals, "live/hurt")[0] == body(0, 40 << 10)
+        assert wire.append(journals, "live/hurt", b"again").commit.begin == 40 << 10
+    finally:
+        broker.kill()
+
+
 BAD_SPECS = {
     "name": ("a" * 300, "segment 'aaaaaaaaaaaaaaaaaaaaaaaa'… is 300 bytes"),
     "utf-8 name": ("x/" + "ü" * 128, "is 256 bytes"),

@@ -7,6 +7,9 @@ import os
 import random
 from pathlib import Path
 
+import pytest
+
+from streamkit.broker.persister import SpoolDamaged, compress_spool
 from streamkit.broker.spool import INLINE_MAX, Spool
 from streamkit.protocol import pb
 from streamkit.protocol.fragments import digest_of
@@ -87,3 +90,46 @@ async def test_registers_survive_recovery(tmp_path: Path) -> None:
     spool.close()
     _, log = Spool.recover(JOURNAL, spool.data_path, pb.NONE)
     assert log.registers == changed and log.end == 2
+
+
+async def test_a_spool_truncated_under_the_broker_is_fenced_before_the_next_append(
+        tmp_path: Path) -> None:
+    """A spool file cut short from outside while its journal is open: the next append
+    must not write past the file's new end (the hole between would read, and persist, as
+    committed zeros), so the spool is fenced, naming the file and the span lost."""
+    spool = Spool.create(JOURNAL, tmp_path, 0, pb.NONE, pb.LabelSet())
+    await _append(spool, b"x" * (INLINE_MAX + 1))
+    spool.check_intact()
+    assert not spool.fenced
+    os.truncate(spool.data_path, 1000)
+    spool.check_intact()
+    assert spool.fenced == (f"its spool {spool.data_path} holds 1000 of the {INLINE_MAX + 1} "
+                            f"bytes committed (damaged from outside the broker): "
+                            f"[1000, {INLINE_MAX + 1}) is lost")
+
+
+@pytest.mark.parametrize("codec", [pb.NONE, pb.SNAPPY, pb.ZSTANDARD, pb.GZIP])
+@pytest.mark.parametrize("damage", ["truncated", "overwritten"])
+async def test_a_damaged_spool_is_not_persisted(tmp_path: Path, codec: int, damage: str
+                                                ) -> None:
+    """The persister's compress step refuses a rolled spool whose file no longer holds the
+    committed bytes: cut short, or (where it reads them, to compress) other bytes than the
+    appends hashed. Intact, it persists."""
+    spool = Spool.create(JOURNAL, tmp_path / "spool", 0, codec, pb.LabelSet())
+    await _append(spool, random.Random(2).randbytes(3 * (1 << 20)))
+    spool.seal()
+    out = tmp_path / "out"
+    out.mkdir()
+    compress_spool(spool, out).unlink()
+    if damage == "truncated":
+        os.truncate(spool.data_path, 1 << 20)
+    else:
+        with open(spool.data_path, "r+b") as f:
+            f.seek(2 << 20)
+            f.write(b"\0" * 4096)
+    if codec == pb.NONE and damage == "overwritten":  # linked, not read: not detected
+        compress_spool(spool, out).unlink()
+        return
+    with pytest.raises(SpoolDamaged, match=rf"journal {JOURNAL}: DAMAGED: spool .* left "):
+        compress_spool(spool, out)
+    assert list(out.iterdir()) == []  # no temp file left behind

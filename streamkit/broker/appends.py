@@ -48,10 +48,10 @@ def _precondition_failure(replica: Replica, request: pb.AppendRequest) -> int | 
     status = refusal(replica)
     if status is not None:
         return status
+    replica.spool.check_intact()
     if replica.spool.fenced:
-        raise JournalUnavailable(replica.name, "a commit failed and could not be undone; "
-                                 "appends are refused until the broker restarts and recovers "
-                                 "the spool")
+        raise JournalUnavailable(replica.name, f"{replica.spool.fenced}; appends are refused "
+                                 "until the broker restarts and recovers the spool")
     if request.HasField("check_registers") and not registers_match(
         request.check_registers, replica.registers
     ):

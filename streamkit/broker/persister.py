@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import hashlib
 import logging
 import os
 import random
@@ -24,6 +25,7 @@ from streamkit.broker.replica import Replica
 from streamkit.broker.spool import Spool
 from streamkit.protocol import pb
 from streamkit.protocol.codecs import new_compressor
+from streamkit.protocol.fragments import sum_of
 from streamkit.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -38,20 +40,46 @@ def compress_spool(spool: Spool, out_dir: Path) -> Path:
     """Write the spool's committed bytes through its codec into a temp file.
 
     An uncompressed (NONE) fragment is the sealed spool file itself: hard-link it.
+    A spool file that no longer holds what was committed (damaged from outside the
+    broker) raises SpoolDamaged rather than become a fragment: its length is checked,
+    and, where the bytes are read anyway to compress them, their SHA-1 against the
+    one the appends computed (the fragment's name carries it).
     """
     if spool.codec == pb.NONE:
         path = out_dir / f".persist-{spool.begin:016x}-{uuid.uuid4().hex}"
         os.link(spool.data_path, path)
+        if (size := os.stat(path).st_size) != spool.length:
+            path.unlink()
+            raise SpoolDamaged(spool, f"holds {size} bytes, not {spool.length}")
         return path
     compressor = new_compressor(spool.codec)
+    sha1 = hashlib.sha1()
     fd, name = tempfile.mkstemp(prefix=".persist-", dir=out_dir)
-    # Its own descriptor: the spool's may be closed meanwhile (journal deleted).
-    with os.fdopen(fd, "wb") as out, open(spool.data_path, "rb") as source:
-        for position in range(0, spool.length, _CHUNK):
-            size = min(_CHUNK, spool.length - position)
-            out.write(compressor.compress(os.pread(source.fileno(), size, position)))
-        out.write(compressor.flush())
+    try:
+        # Its own descriptor: the spool's may be closed meanwhile (journal deleted).
+        with os.fdopen(fd, "wb") as out, open(spool.data_path, "rb") as source:
+            for position in range(0, spool.length, _CHUNK):
+                chunk = os.pread(source.fileno(), min(_CHUNK, spool.length - position), position)
+                if not chunk:
+                    raise SpoolDamaged(spool, f"ends at {position} bytes, not {spool.length}")
+                sha1.update(chunk)
+                out.write(compressor.compress(chunk))
+            out.write(compressor.flush())
+        if sum_of(sha1.digest()) != spool.fragment().sum:
+            raise SpoolDamaged(spool, "holds other bytes than were committed (its SHA-1 "
+                                      "differs from the appends')")
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
     return Path(name)
+
+
+class SpoolDamaged(OSError):
+    """A rolled spool's file no longer holds the bytes committed to it: not persisted."""
+
+    def __init__(self, spool: Spool, what: str) -> None:
+        super().__init__(f"journal {spool.journal}: DAMAGED: spool {spool.data_path} {what}; "
+                         f"left unpersisted")
 
 
 class _Backoff:

@@ -145,7 +145,9 @@ class Spool:
     _fd: int = -1
     _log_fd: int = -1
     _uncached: int = 0  # file bytes [0, _uncached) were dropped from the page cache
-    fenced: bool = False  # a failed commit could not be cut back out of the log
+    # Why no append may write to it until the broker restarts and recovers it: a failed
+    # commit that could not be cut back out of the log, or a file damaged from outside.
+    fenced: str = ""
 
     @property
     def data_path(self) -> Path:
@@ -234,6 +236,21 @@ class Spool:
             sum=sum_of(digest),
             compression_codec=self.codec,
         )
+
+    def check_intact(self) -> None:
+        """Fence the spool if its file lost committed bytes (truncated from outside the
+        broker): an append written past the file's end would leave a hole of zeros below
+        it, served and persisted as committed content. One fstat, before each append."""
+        if self.fenced or self._fd < 0:
+            return
+        size = os.fstat(self._fd).st_size
+        if size < self.length:
+            self.fenced = (f"its spool {self.data_path} holds {size} of the {self.length} "
+                           f"bytes committed (damaged from outside the broker): "
+                           f"[{self.begin + size}, {self.end}) is lost")
+            logger.error("journal %s: DAMAGED: %s; appends are refused until the broker "
+                         "restarts and recovers the spool's intact prefix", self.journal,
+                         self.fenced)
 
     def read(self, offset: int, size: int, end: int) -> bytes:
         """Read committed bytes at `offset`, never past `end`."""
@@ -380,5 +397,5 @@ def _sync_commit(spool: Spool, log_fd: int, record: bytes, sync_spool: bool) -> 
             os.ftruncate(log_fd, size)
             os.fsync(log_fd)
         except OSError:
-            spool.fenced = True
+            spool.fenced = "a commit failed and could not be undone"
         raise
