@@ -9,6 +9,7 @@ too), and it restarts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -385,6 +386,30 @@ def test_a_device_out_of_space_fails_appends_until_space_returns(small_disk: Pat
     broker.start()
     try:
         assert wire.read(wire.stub(broker.address), "enospc/j")[0] == b"".join(acked)
+    finally:
+        broker.kill()
+
+
+def test_a_journal_first_opened_on_a_full_disk_is_retried_once_there_is_room(
+        small_disk: Path) -> None:
+    """Opening a journal writes its first spool: on a full disk that is RESOURCE_EXHAUSTED
+    (HTTP 507) saying so, as for an append, not "fix its spec" (FAILED_PRECONDITION) held
+    for 30 s after the room came back."""
+    broker = BrokerProcess(small_disk / "broker").start()
+    filler = small_disk / "filler"
+    try:
+        journals = wire.stub(broker.address)
+        wire.create(journals, wire.spec("room/later"), wire.spec("room/now"))
+        assert wire.append(journals, "room/now", b"open").commit.end == 4
+        with open(filler, "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * MIB)
+        code, text = put(broker, "room/later", b"x")
+        assert code == 507 and "No space left on device" in text, (code, text)
+        assert "fix its spec" not in text
+        filler.unlink()
+        assert wire.append(journals, "room/later", b"now").commit.end == 3
+        assert wire.read(journals, "room/now")[0] == b"open"
     finally:
         broker.kill()
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamkit.broker.faults import JournalUnavailable
+from streamkit.broker.faults import JournalUnavailable, StorageExhausted, storage_fault
 from streamkit.broker.replica import Replica, spool_directory
 from streamkit.broker.spool import Spool
 from streamkit.broker.stores import FragmentStore, FragmentStoreError, open_store
@@ -126,7 +126,8 @@ class JournalRegistry:
 
         A journal that can't be opened raises JournalUnavailable, naming the
         cause, and affects nothing else; it is tried again when its spec
-        changes, or RETRY_OPEN seconds later.
+        changes, or RETRY_OPEN seconds later. A full disk is no fault of the spec:
+        StorageExhausted (RESOURCE_EXHAUSTED), tried again at the next request.
         """
         replica = self._replicas.get(name)
         if replica is not None:
@@ -146,6 +147,10 @@ class JournalRegistry:
         try:
             return await asyncio.shield(task)
         except Exception as error:
+            if isinstance(exhausted := storage_fault(name, "opening it", error),
+                          StorageExhausted):
+                log.warning("%s", exhausted)
+                raise exhausted from None
             fault = JournalUnavailable(name, f"cannot be served: {_reason(error)}; fix its spec "
                                              "or delete it (streamkit journals apply)")
             if failed is None or failed[0] != entry.mod_revision:
