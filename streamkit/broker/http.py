@@ -2,7 +2,8 @@
 
 * ``GET /<journal>?offset=N&block=true|false`` streams content (206) with the
   headers X-Fragment-Name, X-Fragment-Location, X-Write-Head and Content-Range.
-  Without block it ends at the first fragment's end; with block it tails.
+  Without block it ends at the write head; with block it tails. The body is contiguous:
+  at offsets no fragment holds (after its first byte) it is cut short, not joined up.
 * ``HEAD /<journal>?offset=N`` answers the same headers and no content.
 * ``PUT /<journal>`` appends the request body as one append (204) and answers
   X-Commit-Begin, X-Commit-End and X-Commit-SHA1-Sum.
@@ -185,7 +186,7 @@ class HttpGateway:
         first = await anext(responses)
         if first.status != pb.OK:
             return _status_error(first.status, journal)
-        contents = _contents(responses)
+        contents = _contents(responses, journal, first.offset)
         opening: bytes | None = None
         if first.fragment.backing_store and request.method != "HEAD":
             # A stored fragment may not open (its store down): said with a status while
@@ -200,8 +201,8 @@ class HttpGateway:
                 await response.write(opening)
             async for message in contents:
                 await response.write(message)
-        except JournalFault as fault:  # the status was sent: cut the body short, say why
-            log.warning("GET %s ended early: %s", journal, fault)
+        except (JournalFault, OffsetJump) as fault:  # the status was sent: cut the body
+            log.warning("GET %s ended early: %s", journal, fault)  # short, and say why
             if request.transport is not None:
                 request.transport.close()
             return response
@@ -276,15 +277,39 @@ async def _body(request: web.Request, pace: AppendPace, journal: str,
 _OPEN_END = (1 << 63) - 1
 
 
-async def _contents(responses: AsyncIterator[pb.ReadResponse]) -> AsyncIterator[bytes]:
-    """Content bytes of a read, across fragments: a non-blocking read ends at the write
-    head (OFFSET_NOT_YET_AVAILABLE), a blocking one when the client leaves, as Gazette's
-    gateway streams."""
+class OffsetJump(StreamkitError):
+    """A GET's read came to offsets no fragment holds (a fragment removed from its store,
+    say), after content was sent: the body can't go on past them as if whole."""
+
+    def __init__(self, journal: str, begin: int, end: int) -> None:
+        super().__init__(
+            f"journal {journal}: offsets {begin}..{end} are in none of its fragments (removed "
+            f"from its stores?); the body ends at offset {begin}, the end of the content "
+            f"that is there; a GET from offset {begin} goes on at {end}")
+        self.begin, self.end = begin, end
+
+
+async def _contents(responses: AsyncIterator[pb.ReadResponse], journal: str,
+                    offset: int) -> AsyncIterator[bytes]:
+    """Content bytes of a read from `offset` (where its first response put it), across
+    fragments: a non-blocking read ends at the write head (OFFSET_NOT_YET_AVAILABLE), a
+    blocking one when the client leaves, as Gazette's gateway streams.
+
+    The body is contiguous content or ends: a later fragment that starts past the end of
+    the content so far (offsets no fragment holds) raises OffsetJump, and the body is cut
+    there. Gazette's gateway ends its body at such a jump too (only a jump before the
+    first byte is served, which the Content-Range header's offset tells), naming it in an
+    X-Close-Error trailer; aiohttp can't send trailers, so the body is cut short (the
+    chunked encoding is not ended), which HTTP clients report (curl: "transfer closed
+    with outstanding read data remaining"), rather than ended as if whole."""
     async for message in responses:
         if message.content:
+            offset = message.offset + len(message.content)
             yield message.content
         elif message.status != pb.OK:
             return
+        elif message.offset != offset:
+            raise OffsetJump(journal, offset, message.offset)
 
 
 def _read_headers(first: pb.ReadResponse) -> dict[str, str]:

@@ -19,7 +19,7 @@ from streamkit.broker.faults import ContentLost, StoreGone, storage_fault
 from streamkit.broker.replica import Replica
 from streamkit.broker.stores import FragmentStore, FragmentStoreError
 from streamkit.protocol import pb
-from streamkit.protocol.codecs import open_decompressed
+from streamkit.protocol.codecs import CodecError, open_decompressed
 from streamkit.protocol.fragments import content_name
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,10 @@ class ReadStream:
             yield chunk
 
     async def _remote_content(self, fragment: pb.Fragment) -> AsyncIterator[bytes]:
+        """The content of a persisted fragment from its store. A store that fails (an I/O
+        error, unreachable) is a StorageFailed the reader retries; content that is there
+        but is not what the fragment's name says (it can't be decoded for its codec, or
+        it ends before the fragment's end) is ContentLost: retrying reads the same bytes."""
         store = next((s for s in self.replica.stores if s.url == fragment.backing_store), None)
         if store is None:  # (returning nothing, the read found the same fragment for ever)
             raise StoreGone(self.replica.name, f"fragment {content_name(fragment)} is in "
@@ -124,20 +128,25 @@ class ReadStream:
         doing = f"reading fragment {content_name(fragment)} from {store.url}"
         try:
             stream = await store.in_thread(_open_at, store, fragment, self.offset)
+        except _EndedEarly as short:
+            raise self._lost(fragment, doing, short.offset, "it ended early") from None
+        except CodecError as error:  # (an OSError: caught before the store's failures)
+            raise self._undecodable(fragment, doing, self.offset, error) from error
         except (OSError, FragmentStoreError) as error:
             self.replica.list_soon = True  # gone (pruned, say)? the next listing tells
             raise storage_fault(self.replica.name, doing, error) from error
+        offset, stop = self.offset, self._stop(fragment)
         try:
-            remaining = self._stop(fragment) - self.offset
-            while remaining > 0:
+            while offset < stop:
                 try:
-                    chunk = await store.in_thread(stream.read, min(CHUNK, remaining))
+                    chunk = await store.in_thread(stream.read, min(CHUNK, stop - offset))
+                except CodecError as error:
+                    raise self._undecodable(fragment, doing, offset, error) from error
                 except (OSError, FragmentStoreError) as error:
                     raise storage_fault(self.replica.name, doing, error) from error
                 if not chunk:
-                    raise ContentLost(self.replica.name, f"{doing}: it ended early, at offset "
-                                      f"{fragment.end - remaining}")
-                remaining -= len(chunk)
+                    raise self._lost(fragment, doing, offset, "it ended early")
+                offset += len(chunk)
                 yield chunk
         finally:
             try:
@@ -145,15 +154,38 @@ class ReadStream:
             except Exception as error:  # what was read is intact; only the handle leaks
                 log.warning("%s: closing it failed: %s", doing, error)
 
+    def _undecodable(self, fragment: pb.Fragment, doing: str, offset: int,
+                     error: CodecError) -> ContentLost:
+        codec = pb.CompressionCodec.Name(fragment.compression_codec)
+        return self._lost(fragment, doing, offset,
+                          f"its {codec} content can't be decoded ({error})")
+
+    def _lost(self, fragment: pb.Fragment, doing: str, offset: int, why: str) -> ContentLost:
+        """Content of `fragment` from `offset` on can't be read back (DATA_LOSS: final)."""
+        return ContentLost(self.replica.name, f"{doing}: {why}, at offset {offset}; offsets "
+                           f"{offset}..{fragment.end} of the fragment "
+                           f"({fragment.begin}..{fragment.end}) can't be read back")
+
+
+class _EndedEarly(Exception):
+    """A stored fragment's content ended at `offset`, before where a read was to start."""
+
+    def __init__(self, offset: int) -> None:
+        super().__init__(f"the content ends at offset {offset}")
+        self.offset = offset
+
 
 def _open_at(store: FragmentStore, fragment: pb.Fragment, offset: int) -> BinaryIO:
     """Open a decompressed view of a stored fragment, positioned at `offset` (blocking)."""
     stream = open_decompressed(store.open(fragment), fragment.compression_codec)
-    skip = offset - fragment.begin
-    while skip > 0:
-        skipped = len(stream.read(min(skip, 1 << 22)))
-        if skipped == 0:
-            raise OSError(f"fragment of {fragment.journal} is shorter than its name says")
-        skip -= skipped
+    position = fragment.begin
+    try:
+        while position < offset:
+            skipped = len(stream.read(min(offset - position, 1 << 22)))
+            if skipped == 0:
+                raise _EndedEarly(position)
+            position += skipped
+    except BaseException:
+        stream.close()
+        raise
     return stream
-

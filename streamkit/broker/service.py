@@ -2,7 +2,9 @@
 
 Request problems are answered the way Gazette answers them: a response Status
 (JOURNAL_NOT_FOUND, REGISTER_MISMATCH, ...) when the protocol has one, else a
-gRPC INVALID_ARGUMENT naming the field. The server keeps serving either way.
+gRPC INVALID_ARGUMENT naming the field. The server keeps serving either way, and
+when the KeySpace fails an Apply too: RESOURCE_EXHAUSTED if it has no room (a full
+disk), else UNAVAILABLE, naming the cause (`streamkit.broker.faults.keyspace_fault`).
 
 With authorization on, the server's interceptor has checked each call's
 capability and bound its claims (`streamkit.auth.scope`); the servicer then
@@ -28,12 +30,13 @@ import grpc
 from streamkit.auth.scope import current_claims, journal_allowed, require_journal
 from streamkit.broker import metrics
 from streamkit.broker.appends import RolledBack, append, refusal
-from streamkit.broker.faults import JournalFault
+from streamkit.broker.faults import JournalFault, keyspace_fault
 from streamkit.broker.journals import ApplyConflict, JournalRegistry
 from streamkit.broker.pace import DEFAULT_MIN_APPEND_RATE, AppendPace
 from streamkit.broker.reads import ReadStream
 from streamkit.broker.replica import Replica
 from streamkit.errors import StreamkitError
+from streamkit.keyspace import KeySpaceError
 from streamkit.protocol import pb, pb_grpc
 from streamkit.protocol.apply import check_apply_changes
 from streamkit.protocol.journal_names import journal_name_problem
@@ -205,6 +208,12 @@ class JournalService(pb_grpc.JournalServicer):
             await self.registry.apply(list(request.changes))
         except ApplyConflict:
             return pb.ApplyResponse(status=pb.ETCD_TRANSACTION_FAILED, header=self.header())
+        except KeySpaceError as error:  # a full disk, say: the RPC fails, the broker serves on
+            fault = keyspace_fault(f"Apply of {len(request.changes)} journal spec change(s)",
+                                   error)
+            log.warning("%s", fault)  # one line: the cause is in it, a traceback adds nothing
+            metrics.RPC_ERRORS.labels("Apply", fault.grpc_code.name).inc()
+            await context.abort(fault.grpc_code, str(fault))
         return pb.ApplyResponse(status=pb.OK, header=self.header())
 
     def _require_changes(self, changes: Sequence[pb.ApplyRequest.Change]) -> None:
