@@ -934,3 +934,52 @@ async def test_poison_is_passed_over_as_a_live_shard_would(broker_proc: BrokerPr
             assert len(letters) == 1 + sum("poison" in m["line"] for m in lines)
         finally:
             await setup.close()
+
+
+SLOW = """
+class Slow(WordCount):
+    async def finalize_txn(self, shard, store, publisher) -> None:
+        import asyncio
+
+        await asyncio.sleep(0.05)
+        await super().finalize_txn(shard, store, publisher)
+"""
+
+
+async def test_a_running_task_reports_how_far_it_has_read(
+        broker_proc: BrokerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task given a progress folder on its machine writes its shard's bytes read of its
+    journals there while it consumes (what `streamkit backfill` shows every 15 s of a long
+    run), and removes its report when done; without the folder it writes nothing."""
+    from streamkit.backfill import progress
+    from streamkit.backfill.task import run_shard
+
+    monkeypatch.setattr(progress, "INTERVAL", 0.05)
+    app = copy_wordcount(tmp_path / "slow")
+    (app / "app.py").write_text((app / "app.py").read_text() + SLOW)
+    config = (app / "streamkit.yaml").read_text().replace("app:WordCount", "app:Slow")
+    (app / "streamkit.yaml").write_text(config)
+    setup = await Setup.start(app, broker_proc)
+    try:
+        await publish(setup, "wordcount/lines",
+                      [{"id": i, "line": f"w{i % 7} common"} for i in range(2400)])
+        folder = tmp_path / "progress"
+        folder.mkdir()
+        plan = dataclasses.replace(await setup.plan(txn_size=20), progress_dir=str(folder))
+        total = sum(j.end - j.begin for j in plan.shards[0].journals)
+        task = asyncio.create_task(run_shard(plan, 0))
+        seen: list[progress.ShardProgress] = []
+
+        def part_way() -> bool:
+            seen.extend(r for r in progress.read_progress(folder) if r.read > 0)
+            return bool(seen) or task.done()
+
+        await eventually(part_way, timeout=30, what="a progress report")
+        result = await task
+        assert seen, "the task ended before it reported"
+        assert seen[0].shard == "shard-000" and seen[0].total == total > 0
+        assert seen[0].describe().startswith("shard-000 ") and "% of 0." in seen[0].describe()
+        assert result.messages > 200  # (its share of the 2,400 lines)
+        assert list(folder.iterdir()) == []  # done: its report is gone
+    finally:
+        await setup.close()

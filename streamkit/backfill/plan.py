@@ -148,6 +148,8 @@ class BackfillPlan:
     # How executors dial the broker, as plain data (see `security_data`): it travels to
     # Spark's Python workers with the plan. Holds the keys: never printed (`summary`).
     security: dict[str, str] = field(default_factory=dict)
+    # Where tasks on the command's machine report how far they have read (progress.py).
+    progress_dir: str | None = None
 
     def client_security(self) -> Security:
         """The driver's Security for dialling the broker, rebuilt on an executor."""

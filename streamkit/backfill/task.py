@@ -68,6 +68,7 @@ from streamkit.app.txn import (
 from streamkit.backfill.errors import BackfillError
 from streamkit.backfill.handover import hand_over
 from streamkit.backfill.plan import BackfillPlan, ShardPlan
+from streamkit.backfill.progress import reporting
 from streamkit.backfill.source import JournalReader, merge_by_time
 from streamkit.client import BrokerClient
 from streamkit.errors import StreamkitError
@@ -421,7 +422,12 @@ async def run_shard(
                 runner, readers = _runner(plan, shard_plan, shard, app, store, cp)
                 consuming = time.monotonic()
                 begins = runner.sequencer.offsets
-                final = await runner.run(_by_epoch(readers, begins, shard_plan.epochs))
+                async with reporting(plan.progress_dir, shard.id,
+                                     sum(j.end - j.begin for j in shard_plan.journals),
+                                     lambda: sum(r.bytes_direct + r.bytes_via_broker
+                                                 for r in readers),
+                                     lambda: runner.messages):
+                    final = await runner.run(_by_epoch(readers, begins, shard_plan.epochs))
                 result.consume_seconds = time.monotonic() - consuming
                 await shard.appends.flush()
             finally:

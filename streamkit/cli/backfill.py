@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +35,7 @@ from streamkit.app.store_kinds import STORE_KINDS
 from streamkit.auth.settings import Security, is_loopback
 from streamkit.auth.tls import parse_address
 from streamkit.broker.data_lock import data_dir_holder
+from streamkit.cli.backfill_progress import Progress
 from streamkit.cli.children import Child, port_in_use
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command, warn
 from streamkit.cli.logs import configure_logging
@@ -144,15 +145,6 @@ def _echo_results(results: list[dict[str, Any]]) -> None:
              if r["files"] else "-", f"{r['seconds']:.1f}s"]
             for r in sorted(results, key=lambda r: r["shard_id"])]
     echo_table(["SHARD", "MESSAGES", "TXNS", "READ THROUGH", "STATE", "TIME"], rows)
-
-
-def _progress_printer() -> Any:
-    def show(p: Any) -> None:
-        failed = f", {p.failed} failed" if p.failed else ""
-        click.echo(f"backfill: {p.done}/{p.shards} shards done, {p.running} running"
-                   f"{failed} ({p.elapsed:.1f}s)", err=True)
-
-    return show
 
 
 @click.command("backfill")
@@ -292,14 +284,16 @@ async def backfill(app_dir: Path, use_spark: bool, processes: int | None, plan_o
             handed: list[str] | None = None  # shards handed over, where the engine tells
             try:
                 ran = time.monotonic()
-                if driver is not None:
-                    results = await _run_on_driver(driver.link, plan)
-                elif sc is not None:
-                    results = await asyncio.to_thread(_run_spark, plan, sc)
-                else:
-                    assert processes is not None
-                    handed = []
-                    results = await _run_locally(plan, processes, handed)
+                with Progress(len(plan.shards)) as progress:
+                    plan = replace(plan, progress_dir=str(progress.folder))
+                    if driver is not None:
+                        results = await _run_on_driver(driver.link, plan, progress.show)
+                    elif sc is not None:
+                        results = await asyncio.to_thread(_run_spark, plan, sc, progress.show)
+                    else:
+                        assert processes is not None
+                        handed = []
+                        results = await _run_locally(plan, processes, handed, progress.show)
                 ran = time.monotonic() - ran
             except BackfillError as error:
                 raise CliError(f"{error}\n{_part_way(plan, handed)}") from None
@@ -450,10 +444,11 @@ def _running_driver(wanted: bool) -> _Driver | None:
     return _Driver(link, str(status["master"]), int(status["pid"]))
 
 
-async def _run_on_driver(link: DriverLink, plan: Any) -> list[dict[str, Any]]:
+async def _run_on_driver(link: DriverLink, plan: Any, progress: Callable[[Any], None]
+                         ) -> list[dict[str, Any]]:
     """The plan run by the driver; cancelled here, its job is cancelled there."""
     try:
-        return await asyncio.to_thread(link.backfill, plan, _progress_printer())
+        return await asyncio.to_thread(link.backfill, plan, progress)
     except asyncio.CancelledError:
         link.cancel()
         raise
@@ -474,7 +469,8 @@ def _stop_spark(sc: Any) -> None:
     stop_context(sc, exiting=True)  # the command ends right after
 
 
-async def _run_locally(plan: Any, processes: int, handed: list[str]) -> list[dict[str, Any]]:
+async def _run_locally(plan: Any, processes: int, handed: list[str],
+                       progress: Callable[[Any], None]) -> list[dict[str, Any]]:
     """The plan run in processes of this machine, adding each shard handed over to `handed`;
     cancelled here (Ctrl-C), they are stopped before this command goes on to stop the broker
     they use."""
@@ -482,7 +478,7 @@ async def _run_locally(plan: Any, processes: int, handed: list[str]) -> list[dic
 
     cancelled = threading.Event()
     running = asyncio.ensure_future(asyncio.to_thread(
-        run_locally, plan, processes, progress=_progress_printer(), cancelled=cancelled,
+        run_locally, plan, processes, progress=progress, cancelled=cancelled,
         handed_over=lambda result: handed.append(result["shard_id"])))
     try:
         return await asyncio.shield(running)
@@ -494,7 +490,7 @@ async def _run_locally(plan: Any, processes: int, handed: list[str]) -> list[dic
         raise
 
 
-def _run_spark(plan: Any, sc: Any) -> list[dict[str, Any]]:
+def _run_spark(plan: Any, sc: Any, progress: Callable[[Any], None]) -> list[dict[str, Any]]:
     from streamkit.backfill.spark import run_on_spark
 
-    return run_on_spark(plan, sc=sc, progress=_progress_printer())
+    return run_on_spark(plan, sc=sc, progress=progress)
