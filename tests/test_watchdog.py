@@ -198,3 +198,53 @@ async def test_query_timeout_names_the_shard_that_does_not_answer(
         assert "is stuck in query since" in run.text(), run.log()
     finally:
         run.stop()
+
+
+REENTERED = r"""
+import os, signal, sys, threading, time
+from streamkit.app.watchdog import Watchdog
+
+watchdog = Watchdog(limit=30.0)
+record = watchdog.watch("shard-000")  # its thread runs, waiting to be woken
+seen = 0
+
+def on_signal(_sig, _frame):  # what `run`'s handler does with the watchdog
+    global seen
+    seen += 1
+    watchdog.stop_requested()
+
+signal.signal(signal.SIGTERM, on_signal)
+
+def tracer(frame, event, arg):
+    # A second signal at every line run under the first handler's stop_requested: wherever
+    # it holds a lock, if it takes one, the second handler comes in while it holds it.
+    names, caller = [], frame
+    while caller is not None:
+        names.append(caller.f_code.co_name)
+        caller = caller.f_back
+    if event == "line" and "stop_requested" in names and names.count("on_signal") == 1:
+        os.kill(os.getpid(), signal.SIGTERM)  # (handled at once, nested in this handler)
+    return tracer
+
+sys.settrace(tracer)
+os.kill(os.getpid(), signal.SIGTERM)
+sys.settrace(None)
+time.sleep(0.2)
+print("handled", seen, flush=True)
+"""
+
+
+def test_a_stop_signal_arriving_inside_the_handler_of_another_is_handled() -> None:
+    """Stop signals come in bursts (a killed `run`'s parent-death signal reached a worker
+    several times): the handler, which tells the watchdog, may be entered again while it
+    runs. It used to set a threading.Event, whose lock the interrupted call held: the
+    member waited in its handler for ever, its lease kept alive by another thread, and
+    its shards stalled. Here a second signal lands at each line the first one runs."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", REENTERED], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("handled "), done.stdout
+    assert int(done.stdout.split()[1]) >= 2, done.stdout

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from streamkit.signal_safe import Waker
+
 __all__ = ["HOOK_TIMEOUT", "HookCall", "HookRecord", "Stuck", "Watchdog"]
 
 log = logging.getLogger(__name__)
@@ -140,7 +142,7 @@ class Watchdog:
         self._records: dict[int, HookRecord] = {}
         self._seen: dict[int, tuple[object, float, bool]] = {}  # id -> (token, since, warned)
         self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._wake = Waker()  # (not a threading.Event: see stop_requested)
         self._thread: threading.Thread | None = None
         self._on_stuck: Callable[[list[Stuck]], None] | None = None
         self._grace = self._async_grace = 0.0
@@ -176,7 +178,8 @@ class Watchdog:
     def stop_requested(self) -> None:
         """The process was asked to stop; a second time ends it now if a hook is stuck.
 
-        Safe to call from a signal handler: it only sets flags for the thread."""
+        Safe to call from a signal handler, also one that interrupts another call of it:
+        it sets flags and wakes the thread through a pipe, taking no lock."""
         if self._stop_at is None:
             self._stop_at = time.monotonic()
         else:
@@ -203,7 +206,6 @@ class Watchdog:
                 for gone in self._seen.keys() - self._records.keys():
                     del self._seen[gone]
             self._wake.wait(self._interval())
-            self._wake.clear()
 
     def _look(self, records: list[HookRecord], now: float) -> None:
         stuck: list[Stuck] = []

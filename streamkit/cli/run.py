@@ -58,6 +58,7 @@ from streamkit.cli.security_options import security_env, security_options
 from streamkit.client.environment import BROKER_ENV
 from streamkit.process_limits import raise_open_file_limit
 from streamkit.process_lock import Held, Holder, ProcessLock
+from streamkit.signal_safe import Waker
 from streamkit.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -301,18 +302,26 @@ async def _until_signalled(supervising: asyncio.Task[None] | None = None,
         watchdog = member.runtime.watchdog
         watchdog.arm_exit(lambda stuck: _exit_stuck(stuck, children), STUCK_GRACE,
                           _stop_timeout() + STUCK_GRACE)
-        exit_timer = threading.Timer(_SECOND_SIGNAL_EXIT, lambda: _exit_stuck([], children))
-        exit_timer.daemon = True
+        second = Waker()  # the second signal: set from the handler, which takes no lock
+
+        def exit_after_second() -> None:
+            # The watchdog exits at once, naming a stuck hook; should the stop wait on
+            # something else (a store's commit blocked in its database), this does.
+            second.wait()
+            time.sleep(_SECOND_SIGNAL_EXIT)
+            _exit_stuck([], children)
+
+        threading.Thread(target=exit_after_second, name="second signal", daemon=True).start()
         seen = 0
 
         def on_signal(_sig: int, _frame: object) -> None:
+            # (It may interrupt itself: signals come in bursts, as the parent-death signal
+            # does when `run` is killed. So it only counts and wakes, through a pipe.)
             nonlocal seen
             seen += 1
             watchdog.stop_requested()
-            if seen == 2:
-                # The watchdog exits at once, naming a stuck hook; should the stop wait on
-                # something else (a store's commit blocked in its database), this does.
-                exit_timer.start()
+            if seen >= 2:
+                second.set()
 
         for sig in signals:
             # Replaces asyncio's no-op Python-level handler; the loop still gets the signal
