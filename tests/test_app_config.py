@@ -163,6 +163,8 @@ def test_defaults_of_a_minimal_file(tmp_path: Path) -> None:
      "store.url: an in-memory SQLite database loses the shards' state"),
     ("store", {"kind": "sql", "url": "sqlite:///file:x?mode=memory&uri=true"},
      "store.url: an in-memory SQLite database"),
+    ("store", {"kind": "sql", "url": "sqlite:///file::memory:?cache=shared&uri=true"},
+     "store.url: an in-memory SQLite database"),
     ("transactions.max_duration", "0s", "transactions.max_duration: must be more than 0s"),
     ("transactions.max_duration", "soon", "transactions.max_duration: not a duration"),
     ("transactions.min_duration", "-1s", "transactions.min_duration: must not be negative"),
@@ -274,16 +276,19 @@ def test_a_relative_sqlite_file_is_in_the_apps_folder(tmp_path: Path,
     (`run` from the parent folder and `backfill` from the app's used two databases, the
     backfill consuming the whole history again into an empty one); absolute files and
     other databases are left as they are."""
+    from sqlalchemy.engine import make_url
+
     app = tmp_path / "app"
     monkeypatch.chdir(tmp_path)
     for url, expected in (
             ("sqlite:///state.db?timeout=5", f"sqlite:///{app.resolve()}/state.db?timeout=5"),
             ("sqlite+pysqlite:///data/state.db", f"sqlite+pysqlite:///{app.resolve()}/data/state.db"),
+            ("sqlite:///file:st.db?uri=true", f"sqlite:///file:{app.resolve()}/st.db?uri=true"),
             ("sqlite:////var/state.db", "sqlite:////var/state.db"),
             ("postgresql://user:secret@db/app", "postgresql://user:secret@db/app")):
         write_app(app, changed("store", {"kind": "sql", "url": url}))
-        assert load_config("app").sql_url() == expected
-        assert load_config(app).sql_url() == expected
+        assert make_url(load_config("app").sql_url()) == make_url(expected)
+        assert make_url(load_config(app).sql_url()) == make_url(expected)
 
 
 def _yaml_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str) -> str:
@@ -683,10 +688,13 @@ async def test_another_keyspaces_deployment_is_refused_the_apps_recovery_logs(
     would share the shards' recovery logs, each side fencing the other's primaries. Logs
     are labeled with their KeySpace's deployment id: a deploy from another KeySpace is
     refused, naming a log and how to go on, unless it adopts them (`streamkit deploy
-    --adopt-recovery-logs`); logs from before the label are adopted silently."""
+    --adopt-recovery-logs`); logs from before the label are adopted silently by a KeySpace
+    that deployed the app before, not by a new one."""
     from streamkit.app.config import DEPLOYMENT_LABEL
     from streamkit.app.deploy import DeploymentConflict
+    from streamkit.app.layout import read_layout
     from streamkit.app.member import deploy
+    from streamkit.backfill.reshard import next_layout
     from streamkit.client import BrokerClient
     from streamkit.client.listing import apply_journals, list_journals
     from streamkit.keyspace import open_keyspace
@@ -728,8 +736,15 @@ async def test_another_keyspaces_deployment_is_refused_the_apps_recovery_logs(
         async with open_keyspace(production) as keyspace:
             with pytest.raises(DeploymentConflict):
                 await deploy(config, client, keyspace)
+            # A reshard is refused before it changes anything (not half-way through).
+            layout = await read_layout(keyspace, config.keyspace_root)
+            with pytest.raises(DeploymentConflict):
+                await next_layout(config.with_settings(shards=4), client, keyspace, layout)
+            assert await read_layout(keyspace, config.keyspace_root) == layout
 
-            # Logs labeled by no deployment (made before the label) are this one's.
+            # Logs labeled by no deployment (made before the label) are this one's, as a
+            # KeySpace that deployed the app before sees it; a KeySpace deploying the app
+            # for the first time must adopt them (they may be another KeySpace's).
             changes = []
             for listed in await list_journals(client, selector):
                 spec = pb.JournalSpec()
@@ -740,5 +755,9 @@ async def test_another_keyspaces_deployment_is_refused_the_apps_recovery_logs(
                                                       upsert=spec))
             await apply_journals(client, changes)
             assert await owners(client) == set()
+            async with open_keyspace(str(tmp_path / "fresh.db")) as fresh:
+                with pytest.raises(DeploymentConflict, match="made before deployments were "):
+                    await deploy(config, client, fresh)
+                assert await read_layout(fresh, config.keyspace_root) is None
             await deploy(config, client, keyspace)
         assert await owners(client) == {ours}

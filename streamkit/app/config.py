@@ -299,6 +299,13 @@ class TopicConfig(_Model):
         )
 
 
+def _sqlite_file(database: str | None) -> str:
+    """The file an SQLite URL's database names ("" for none, ":memory:" for memory), also
+    given as a `file:` URI (with `?uri=true`)."""
+    name = (database or "").removeprefix("file:")
+    return ":memory:" if name.startswith(":memory:") else name
+
+
 class StoreConfig(_Model):
     """Where shards keep state. `kind` None: the Application's `store`, else rocksdb."""
 
@@ -329,7 +336,8 @@ class StoreConfig(_Model):
         if (problem := driver_problem(url)) is not None:
             raise ValueError(problem)
         if parsed.get_backend_name() == "sqlite" and (
-                parsed.database in (None, "", ":memory:") or parsed.query.get("mode") == "memory"):
+                _sqlite_file(parsed.database) in ("", ":memory:")
+                or parsed.query.get("mode") == "memory"):
             raise ValueError("an in-memory SQLite database loses the shards' state and their "
                              "checkpoints at every stop (a restart would consume everything "
                              "again): name a file, e.g. sqlite:///state.db (in the app's folder)")
@@ -572,10 +580,12 @@ class AppConfig(_Model):
         from sqlalchemy.engine import make_url
 
         url = make_url(self.store.url)
-        if url.get_backend_name() != "sqlite" or not url.database \
-                or Path(url.database).is_absolute() or url.database.startswith("file:"):
+        path = _sqlite_file(url.database)
+        if url.get_backend_name() != "sqlite" or path in ("", ":memory:") \
+                or Path(path).is_absolute():
             return self.store.url
-        resolved = url.set(database=str((self.app_dir / url.database).resolve()))
+        uri = "file:" if (url.database or "").startswith("file:") else ""
+        resolved = url.set(database=uri + str((self.app_dir / path).resolve()))
         return resolved.render_as_string(hide_password=False)
 
     # --- names --------------------------------------------------------------------

@@ -9,7 +9,10 @@ a playback would read the other's state. So each KeySpace holds an id for its
 deployment of the app (`<root>/deployment`, made at its first deploy), every
 recovery log is labeled with the id of the deployment that made it, and a
 deploy from another KeySpace is refused, unless told to adopt the logs (the
-KeySpace that wrote them was lost and this one replaces it).
+KeySpace that wrote them was lost and this one replaces it). Logs from before
+the label carry none: a KeySpace that has deployed the app before labels them
+as its own (an upgrade); one deploying it for the first time must adopt them,
+as they may be another KeySpace's.
 """
 
 from __future__ import annotations
@@ -27,24 +30,26 @@ from streamkit.protocol import consumer_pb, pb
 from streamkit.protocol.labels import label_set
 from streamkit.protocol.spec import JournalSpec
 
-__all__ = ["DeploymentConflict", "deployment_id", "ensure_journals", "ensure_shard_specs"]
+__all__ = ["DeploymentConflict", "check_recovery_logs", "deployment_id", "ensure_journals",
+           "ensure_shard_specs"]
 
 
 async def ensure_journals(client: BrokerClient, specs: Iterable[JournalSpec],
-                          adopt: bool = False) -> int:
+                          adopt: bool = False, adopt_unlabeled: bool = True) -> int:
     """Create missing journals and update changed ones, in one Apply; how many changed.
     Lists just these journals, by name: not every journal of the broker.
 
     A retention an operator gave an existing journal (`journals apply`) is kept where the
     spec sets none: streamkit.yaml has no say in it, and each start reset it to none.
-    A recovery log of another deployment is a DeploymentConflict, unless `adopt`."""
+    A recovery log of another deployment is a DeploymentConflict, unless `adopt`, and
+    so is one labeled by no deployment, unless `adopt_unlabeled`."""
     protos = [spec.to_proto() for spec in specs]
     if not protos:
         return 0
-    named = pb.LabelSelector(include=label_set(*(("name", spec.name) for spec in protos)))
-    existing = {j.spec.name: j for j in await list_journals(client, named)}
+    existing = await _listed(client, protos)
     if not adopt:
-        _check_deployment(protos, {name: j.spec for name, j in existing.items()})
+        _check_deployment(protos, {name: j.spec for name, j in existing.items()},
+                          adopt_unlabeled)
     changes = []
     for proto in protos:
         current = existing.get(proto.name)
@@ -59,6 +64,22 @@ async def ensure_journals(client: BrokerClient, specs: Iterable[JournalSpec],
     if changes:
         await apply_journals(client, changes)
     return len(changes)
+
+
+async def check_recovery_logs(client: BrokerClient, specs: Iterable[JournalSpec]) -> None:
+    """Raise DeploymentConflict where `ensure_journals` (of an app deployed before) would:
+    before a change that must not start unless that one can finish (a reshard)."""
+    protos = [spec.to_proto() for spec in specs]
+    if protos:
+        existing = await _listed(client, protos)
+        _check_deployment(protos, {name: j.spec for name, j in existing.items()}, True)
+
+
+async def _listed(client: BrokerClient, specs: list[pb.JournalSpec]
+                  ) -> dict[str, pb.ListResponse.Journal]:
+    """The journals of `specs` that exist, by name: listed by name, not all the broker's."""
+    named = pb.LabelSelector(include=label_set(*(("name", spec.name) for spec in specs)))
+    return {j.spec.name: j for j in await list_journals(client, named)}
 
 
 async def ensure_shard_specs(
@@ -85,10 +106,9 @@ class DeploymentConflict(StreamkitError):
         super().__init__(
             f"recovery log {first}{more} belongs to another deployment of its app "
             f"on this broker (id {other}; this KeySpace's is {ours}): two KeySpaces running "
-            f"one app name on one broker would share its shards' state. Give this copy "
-            f"another name (name: in streamkit.yaml), or another broker; if this KeySpace "
-            f"replaces the lost one that deployed it, adopt its logs with `streamkit deploy "
-            f"--adopt-recovery-logs`")
+            f"one app on one broker would share its shards' state, and its topics. Run this "
+            f"copy on a broker of its own; if this KeySpace replaces the lost one that "
+            f"deployed it, adopt its logs with `streamkit deploy --adopt-recovery-logs`")
         self.logs = logs
 
 
@@ -108,19 +128,18 @@ async def deployment_id(keyspace: KeySpace, root: str) -> str:
             return made
 
 
-def _check_deployment(specs: list[pb.JournalSpec], existing: dict[str, pb.JournalSpec]
-                      ) -> None:
+def _check_deployment(specs: list[pb.JournalSpec], existing: dict[str, pb.JournalSpec],
+                      adopt_unlabeled: bool) -> None:
     """Raise DeploymentConflict if a journal of `specs` labeled with one deployment exists
-    (`existing`, by name) labeled with another. A log made before these labels (none) is
-    no other deployment's: it is labeled as this one's."""
+    (`existing`, by name) labeled with another, or with none unless `adopt_unlabeled`."""
     foreign, ours = {}, ""
     for spec in specs:
         mine, current = _deployment_of(spec), existing.get(spec.name)
         if not mine or current is None:
             continue
         ours, theirs = mine, _deployment_of(current)
-        if theirs and theirs != mine:
-            foreign[spec.name] = theirs
+        if theirs != mine and (theirs or not adopt_unlabeled):
+            foreign[spec.name] = theirs or "none: made before deployments were labeled"
     if foreign:
         raise DeploymentConflict(foreign, ours)
 

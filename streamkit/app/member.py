@@ -71,12 +71,15 @@ async def deploy(config: AppConfig, client: BrokerClient, keyspace: KeySpace,
 
     An app already deployed with another shard count is refused (LayoutError):
     only a resharding backfill changes the count. So is one whose recovery logs
-    another KeySpace's deployment made (DeploymentConflict), unless `adopt`.
+    another KeySpace's deployment made, or that this KeySpace never deployed and
+    whose logs carry no deployment (DeploymentConflict), unless `adopt`.
     """
-    if await check_layout(config, keyspace) is None:
-        await write_layout(keyspace, config.keyspace_root, Layout(shards=config.shards))
+    deployed_before = await check_layout(config, keyspace) is not None
     deployment = await deployment_id(keyspace, config.keyspace_root)
-    journals = await ensure_journals(client, config.journal_specs(deployment), adopt)
+    journals = await ensure_journals(client, config.journal_specs(deployment), adopt,
+                                     adopt_unlabeled=deployed_before)  # (refused: no layout)
+    if not deployed_before:
+        await write_layout(keyspace, config.keyspace_root, Layout(shards=config.shards))
     shards = await ensure_shard_specs(keyspace, config.keyspace_root, config.shard_specs())
     if journals or shards:
         log.info(

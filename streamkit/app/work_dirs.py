@@ -51,7 +51,8 @@ def remove_abandoned(shards_dir: Path, host: str) -> int:
 
 
 def _running(pid: int) -> bool:
-    """Whether a process `pid` runs on this host (one of another user's counts as running)."""
+    """Whether a process `pid` runs on this host (one of another user's counts as running;
+    a zombie, killed but not yet reaped by its parent, does not)."""
     if pid == os.getpid():
         return True
     try:
@@ -60,4 +61,8 @@ def _running(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no /proc here: alive, as far as can be told
+        return True
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]

@@ -23,7 +23,12 @@ from __future__ import annotations
 
 from streamkit.app.assignment import item_key, members_prefix
 from streamkit.app.config import PARTITION_PER_SHARD, TOPIC_LABEL, AppConfig
-from streamkit.app.deploy import deployment_id, ensure_journals, ensure_shard_specs
+from streamkit.app.deploy import (
+    check_recovery_logs,
+    deployment_id,
+    ensure_journals,
+    ensure_shard_specs,
+)
 from streamkit.app.hints import backup_key, primary_key
 from streamkit.app.layout import Epoch, Layout, write_layout
 from streamkit.app.store_kinds import records_to_log
@@ -65,6 +70,9 @@ async def next_layout(config: AppConfig, client: BrokerClient, keyspace: KeySpac
             f"app {name} is running ({len(members)} member(s) joined): stop it (Ctrl-C its "
             f"`streamkit run {app}`) and pause its publishers before resharding"
         )
+    # Another KeySpace's recovery logs refuse the reshard now, not half-way through it.
+    await check_recovery_logs(client, config.journal_specs(
+        await deployment_id(keyspace, config.keyspace_root)))
     if layout.resharding:  # an unfinished reshard: its cut stands, only the target changes
         return Layout(config.shards, list(layout.history), resharding=True)
     heads = {}
