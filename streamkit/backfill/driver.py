@@ -44,6 +44,7 @@ from streamkit.backfill.driver_link import (
 )
 from streamkit.backfill.errors import BackfillError
 from streamkit.backfill.spark import run_on_spark, spark_context
+from streamkit.signal_safe import Waker
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
@@ -279,10 +280,19 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", error)
         return 1
     driver = Driver(sc, listener, args.socket, conf)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda n, _f: driver.stop(signal.Signals(n).name))
-    if asked:
+    # The stop runs in a thread of its own: it takes locks (logging's, the jobs'), which a
+    # signal handler must not, as it may interrupt their holder (signal_safe.py).
+    wake = Waker()
+
+    def stop_when_asked() -> None:
+        while not asked:
+            wake.wait()
         driver.stop(asked[0])
+
+    threading.Thread(target=stop_when_asked, name="stop signal", daemon=True).start()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda n, _f: (asked.append(signal.Signals(n).name), wake.set()))
+    wake.set()  # (asked while Spark started?)
     log.warning("Spark driver up (%s, Spark %s), listening at %s", sc.master, sc.version,
                 args.socket)
     try:
