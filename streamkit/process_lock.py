@@ -17,7 +17,7 @@ from pathlib import Path
 
 from streamkit.errors import StreamkitError
 
-__all__ = ["Held", "Holder", "ProcessLock", "holder"]
+__all__ = ["Held", "Holder", "ProcessLock", "holder", "running"]
 
 
 @dataclass(frozen=True)
@@ -91,3 +91,19 @@ def _read_holder(fd: int) -> Holder:
         pid, _, note = os.pread(fd, 4096, 0).decode().strip().partition(" ")
         return Holder(int(pid), note)
     return Holder(0, "")
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` runs on this host: one of another user's counts; a zombie
+    (killed, not yet reaped by its parent, which may be slow to) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no /proc here (or it just went): as far as can be told, it runs
+        return True
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]

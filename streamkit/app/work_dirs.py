@@ -17,6 +17,8 @@ import re
 import shutil
 from pathlib import Path
 
+from streamkit.process_lock import running
+
 __all__ = ["abandoned_work_dirs", "remove_abandoned"]
 
 log = logging.getLogger(__name__)
@@ -31,7 +33,7 @@ def abandoned_work_dirs(shards_dir: Path, host: str) -> list[Path]:
         return []
     return sorted(entry for entry in entries
                   if (match := pattern.fullmatch(entry.name)) and entry.is_dir()
-                  and not _running(int(match.group(1))))
+                  and int(match.group(1)) != os.getpid() and not running(int(match.group(1))))
 
 
 def remove_abandoned(shards_dir: Path, host: str) -> int:
@@ -48,21 +50,3 @@ def remove_abandoned(shards_dir: Path, host: str) -> int:
         log.info("removed %s, left by a member that ended without stopping", folder)
         removed += 1
     return removed
-
-
-def _running(pid: int) -> bool:
-    """Whether a process `pid` runs on this host (one of another user's counts as running;
-    a zombie, killed but not yet reaped by its parent, does not)."""
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:  # no /proc here: alive, as far as can be told
-        return True
-    return stat.rpartition(")")[2].split()[:1] != ["Z"]

@@ -9,7 +9,6 @@ job to it instead of starting Spark itself.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import click
 
 from streamkit.cli.errors import DATA_ERROR, CliError, reporting_errors
+from streamkit.process_lock import running
 
 __all__ = ["spark"]
 
@@ -135,25 +135,8 @@ def stop(timeout: float) -> None:
         pid = int(link.status()["pid"])
         link.stop()
         deadline = time.monotonic() + timeout
-        while _alive(pid):
+        while running(pid):
             if time.monotonic() > deadline:
                 raise CliError(f"the Spark driver (pid {pid}) did not end within {timeout:.0f}s")
             time.sleep(0.1)
         click.echo(f"stopped the Spark driver (pid {pid})", err=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
-    except (OSError, IndexError):
-        return ""
