@@ -25,6 +25,10 @@ class Waker:
         self._read, self._write = os.pipe()
         os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
+        # poll, not select: a process that raised its open-file limit (a member's RocksDB
+        # files) may give the pipe a descriptor above select's 1023.
+        self._poll = select.poll()
+        self._poll.register(self._read, select.POLLIN)
 
     def set(self) -> None:
         with contextlib.suppress(BlockingIOError):  # full: wake-ups are waiting already
@@ -32,6 +36,11 @@ class Waker:
 
     def wait(self, timeout: float | None = None) -> None:
         """Until `set` was called (since the last wait) or `timeout` seconds passed."""
-        select.select([self._read], [], [], timeout)
+        self._poll.poll(None if timeout is None else timeout * 1000)
         with contextlib.suppress(BlockingIOError):
             os.read(self._read, 4096)
+
+    def close(self) -> None:
+        for fd in (self._read, self._write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
