@@ -2,35 +2,48 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import time
+import sys
 from pathlib import Path
 
-from streamkit.app.work_dirs import abandoned_work_dirs
+from streamkit.app.work_dirs import LOCK_FILE, hold_work_dir, remove_abandoned
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from streamkit.app.work_dirs import hold_work_dir
+lock = hold_work_dir(Path(sys.argv[1]), "a member")
+print("held", flush=True)
+time.sleep(60)
+"""
 
 
-def test_a_killed_member_not_yet_reaped_has_abandoned_its_folder(tmp_path: Path) -> None:
-    """A SIGKILLed member stays a zombie until its parent (a slow supervisor, or init)
-    reaps it: `kill(pid, 0)` still finds it, yet it will never come back. Its folder is
-    abandoned; a live process's and a folder named otherwise are not."""
+def test_a_folder_is_abandoned_once_no_process_holds_its_lock(tmp_path: Path) -> None:
+    """A member holds its folder's lock for its life, however it ends (an flock): folders of
+    this host's `<host>-<pid>` members whose lock is free go, whatever their pid says (a
+    pid seen from another PID namespace, or reused); those held, named otherwise, or
+    without a lock file (made before the locks) stay."""
     host = "vm"
-    zombie = subprocess.Popen(["sleep", "60"])
-    live = subprocess.Popen(["sleep", "60"])
+    held = tmp_path / f"{host}-1"  # a pid that runs here (init): its lock decides
+    member = subprocess.Popen([sys.executable, "-c", HOLD, str(held)], stdout=subprocess.PIPE,
+                              text=True)
     try:
-        zombie.kill()
-        stat = Path(f"/proc/{zombie.pid}/stat")
-        deadline = time.monotonic() + 10
-        while stat.read_text().rpartition(")")[2].split()[0] != "Z":  # killed, not reaped
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        for name in (f"{host}-{zombie.pid}", f"{host}-{live.pid}", f"{host}-{os.getpid()}",
-                     "worker-1", f"other-{zombie.pid}"):
-            (tmp_path / name).mkdir()
-        assert abandoned_work_dirs(tmp_path, host) == [tmp_path / f"{host}-{zombie.pid}"]
-        zombie.wait()  # reaped: gone for good, still abandoned
-        assert abandoned_work_dirs(tmp_path, host) == [tmp_path / f"{host}-{zombie.pid}"]
+        assert member.stdout is not None and member.stdout.readline() == "held\n"
+        dead = tmp_path / f"{host}-999999"
+        hold_work_dir(dead / "shard-000", "a member").release()  # (made, not a member's)
+        hold_work_dir(dead, "a member").release()  # its member ended: the lock is free
+        (dead / "shard-000" / "CURRENT").write_text("x")
+        old = tmp_path / f"{host}-999998"  # from before the locks
+        old.mkdir()
+        other = tmp_path / "worker-1"
+        hold_work_dir(other, "a member").release()
+        assert remove_abandoned(tmp_path, host) == 1
+        assert not dead.exists()
+        assert (held / LOCK_FILE).is_file() and old.is_dir() and other.is_dir()
+        member.kill()  # SIGKILL: the kernel drops its lock
+        member.wait()
+        assert remove_abandoned(tmp_path, host) == 1
+        assert not held.exists()
     finally:
-        for process in (zombie, live):
-            process.kill()
-            process.wait()
+        member.kill()
+        member.wait()

@@ -40,7 +40,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -48,7 +48,7 @@ from streamkit.app.app_folder import bundled_fragments, data_dir_of, is_app_fold
 from streamkit.app.gc_tuning import hold_collections
 from streamkit.app.store_kinds import STORE_KINDS
 from streamkit.app.waits import first_of
-from streamkit.app.work_dirs import remove_abandoned
+from streamkit.app.work_dirs import hold_work_dir, remove_abandoned
 from streamkit.auth.settings import Exposed, Security
 from streamkit.broker.data_lock import data_dir_holder
 from streamkit.cli.children import Child, Supervisor, port_in_use, start_child
@@ -150,6 +150,7 @@ async def _member(config: AppConfig, app_class: type, client: BrokerClient, keys
     options = MemberOptions(work_dir=config.data_dir / "shards" / suffix, suffix=suffix,
                             zone=zone, file_root=broker_file_root, lease_ttl=lease_ttl,
                             expect_members=expect_members)
+    folder_lock = await _hold_work_dir(options.work_dir, suffix)
     member = Member(config, app_class, client, keyspace, options)
     try:
         grpc_server, http_runner, _ = await serve_member_apis(member, host, port, security,
@@ -165,12 +166,41 @@ async def _member(config: AppConfig, app_class: type, client: BrokerClient, keys
         # In a thread, beside serving: a dead member's RocksDB files may be many.
         sweep = asyncio.create_task(asyncio.to_thread(
             remove_abandoned, options.work_dir.parent, os.uname().nodename))
+        sweep.add_done_callback(_log_failure)
         yield member
         del sweep  # (held until here: a task only the loop refers to may be collected)
     finally:
         await member.stop(stop_timeout())
         await grpc_server.stop(1.0)
         await http_runner.cleanup()
+        folder_lock.release()
+
+
+async def _hold_work_dir(folder: Path, suffix: str, patience: float = 30.0) -> ProcessLock:
+    """The lock of the member's folder of shard files (app/work_dirs.py), waited for while
+    another process holds it: the previous member of this name, still stopping (a killed
+    `run`'s worker), gives it up soon; one that keeps it is another member of this name."""
+    deadline = time.monotonic() + patience
+    said = False
+    while True:
+        try:
+            return hold_work_dir(folder, f"member {suffix}")
+        except Held as held:
+            if time.monotonic() > deadline:
+                raise CliError(f"member folder {folder} is in use by {held.held_by.describe()}:"
+                               f" another member named {suffix} runs from this app folder; "
+                               "give this one another --suffix", DATA_ERROR) from None
+            if not said:
+                log.warning("waiting for member folder %s, held by %s (a member of this "
+                            "name still stopping?)", folder, held.held_by.describe())
+                said = True
+            await asyncio.sleep(0.2)
+
+
+def _log_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.warning("removing folders of members that ended without stopping failed: %s: %s",
+                    type(error).__name__, error)
 
 
 async def _wait_for_members(config: AppConfig, keyspace: KeySpace, workers: list[Child],
