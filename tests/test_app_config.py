@@ -289,6 +289,20 @@ def test_a_relative_sqlite_file_is_in_the_apps_folder(tmp_path: Path,
         write_app(app, changed("store", {"kind": "sql", "url": url}))
         assert make_url(load_config("app").sql_url()) == make_url(expected)
         assert make_url(load_config(app).sql_url()) == make_url(expected)
+    # A file without `?uri=true` is a plain name, "file:" and all.
+    write_app(app, changed("store", {"kind": "sql", "url": "sqlite:///file::memory:"}))
+    assert make_url(load_config(app).sql_url()).database == f"{app.resolve()}/file::memory:"
+
+    # Where earlier versions put it (the current folder), with none in the app's folder: an
+    # empty database would consume everything again, so the command stops and says so.
+    write_app(app, changed("store", {"kind": "sql", "url": "sqlite:///state.db"}))
+    (tmp_path / "state.db").write_bytes(b"")
+    with pytest.raises(ConfigError, match=rf"store.url: sqlite:///state.db names "
+                                          rf"{app.resolve()}/state.db .* while "
+                                          rf"{tmp_path.resolve()}/state.db does"):
+        load_config("app").sql_url()
+    (app / "state.db").write_bytes(b"")  # moved (copied) in: the app's is used
+    assert load_config("app").sql_url() == f"sqlite:///{app.resolve()}/state.db"
 
 
 def _yaml_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str) -> str:

@@ -299,13 +299,6 @@ class TopicConfig(_Model):
         )
 
 
-def _sqlite_file(database: str | None) -> str:
-    """The file an SQLite URL's database names ("" for none, ":memory:" for memory), also
-    given as a `file:` URI (with `?uri=true`)."""
-    name = (database or "").removeprefix("file:")
-    return ":memory:" if name.startswith(":memory:") else name
-
-
 class StoreConfig(_Model):
     """Where shards keep state. `kind` None: the Application's `store`, else rocksdb."""
 
@@ -331,13 +324,14 @@ class StoreConfig(_Model):
             parsed = make_url(url)
         except ArgumentError as err:
             raise ValueError(f"not a SQLAlchemy database URL ({err})") from None
-        from streamkit.stores.sql import driver_problem  # a missing driver fails here, once
+        from streamkit.stores.sql import (  # a missing driver fails here, once
+            driver_problem,
+            sqlite_file,
+        )
 
         if (problem := driver_problem(url)) is not None:
             raise ValueError(problem)
-        if parsed.get_backend_name() == "sqlite" and (
-                _sqlite_file(parsed.database) in ("", ":memory:")
-                or parsed.query.get("mode") == "memory"):
+        if sqlite_file(parsed) in ("", ":memory:"):
             raise ValueError("an in-memory SQLite database loses the shards' state and their "
                              "checkpoints at every stop (a restart would consume everything "
                              "again): name a file, e.g. sqlite:///state.db (in the app's folder)")
@@ -579,13 +573,21 @@ class AppConfig(_Model):
             return f"sqlite:///{(self.data_dir / 'store.sqlite').resolve()}"
         from sqlalchemy.engine import make_url
 
+        from streamkit.stores.sql import sqlite_file
+
         url = make_url(self.store.url)
-        path = _sqlite_file(url.database)
-        if url.get_backend_name() != "sqlite" or path in ("", ":memory:") \
-                or Path(path).is_absolute():
+        path = sqlite_file(url)
+        if path in (None, "", ":memory:") or Path(path).is_absolute():
             return self.store.url
-        uri = "file:" if (url.database or "").startswith("file:") else ""
-        resolved = url.set(database=uri + str((self.app_dir / path).resolve()))
+        here, there = (self.app_dir / path).resolve(), Path(path).resolve()
+        if not here.exists() and there.exists() and here != there:
+            raise ConfigError([Problem(
+                f"{self.store.url} names {here} (a relative SQLite file is in the app's "
+                f"folder), which doesn't exist, while {there} does: where streamkit before "
+                "2026-11-27 put it, relative to the folder the command ran from. Move it into "
+                "the app's folder (or give its absolute path), so the shards keep their state",
+                "store.url", source=self.config_file)])
+        resolved = url.set(database=("file:" if path != url.database else "") + str(here))
         return resolved.render_as_string(hide_password=False)
 
     # --- names --------------------------------------------------------------------

@@ -139,14 +139,26 @@ def _create_engine(url: str, views: int) -> sa.Engine:
         return sa.create_engine(url)
 
 
+def sqlite_file(url: sa.URL) -> str | None:
+    """The file an SQLite URL names: "" for none, ":memory:" for an in-memory database
+    (also as a `file:` URI, with `?uri=true`, or `mode=memory`); None if not SQLite."""
+    if url.get_backend_name() != "sqlite":
+        return None
+    name = url.database or ""
+    if url.query.get("uri") == "true" and name.startswith("file:"):
+        name = name.removeprefix("file:")
+        if url.query.get("mode") == "memory":
+            return ":memory:"
+    return ":memory:" if name.startswith(":memory:") else name
+
+
 def _sqlite_folder_problem(url: str) -> str | None:
     """Why SQLite can't make `url`'s file (its folder is missing), in words naming both;
     SQLite itself says only "unable to open database file"."""
     parsed = sa.make_url(url)
-    if parsed.get_backend_name() != "sqlite" or not parsed.database \
-            or parsed.database == ":memory:" or parsed.database.startswith("file:"):
+    if (name := sqlite_file(parsed)) in (None, "", ":memory:"):
         return None
-    folder = Path(parsed.database).absolute().parent
+    folder = Path(name).absolute().parent
     if folder.is_dir():
         return None
     return (f"{parsed.render_as_string(hide_password=True)}: folder {folder} does not exist "
