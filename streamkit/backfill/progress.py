@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -76,9 +77,11 @@ def _write(path: Path, progress: ShardProgress) -> None:
 
 
 def read_progress(folder: Path) -> list[ShardProgress]:
-    """The reports in `folder`, by shard id; unreadable ones (being replaced) skipped."""
+    """The reports in `folder`, by shard id; unreadable ones (being replaced) skipped, and
+    stale ones: a task killed (its process stopped, an executor lost) left its last."""
     found = []
     for path in sorted(folder.glob("*.json")):
         with contextlib.suppress(OSError, ValueError, TypeError):
-            found.append(ShardProgress(**json.loads(path.read_text())))
+            if time.time() - path.stat().st_mtime <= 5 * INTERVAL:
+                found.append(ShardProgress(**json.loads(path.read_text())))
     return found
