@@ -159,6 +159,54 @@ def test_a_spool_truncated_under_the_running_broker_serves_no_zeros(tmp_path: Pa
         broker.kill()
 
 
+def test_a_spool_cut_short_under_the_running_broker_is_neither_rolled_nor_persisted(
+        tmp_path: Path) -> None:
+    """Rolls happen outside appends too (the ticker's, for a flush interval or a fragment
+    length; a clean stop's). Sealing a spool cut short extended it to its committed length:
+    the hole was served (status OK) and persisted as committed zeros, a new spool took
+    appends (the fence ended silently) and a restart saw nothing wrong. It stays as it is,
+    local and fenced, for the restart's recovery; the other journals roll, persist and stop
+    cleanly."""
+    broker = BrokerProcess(tmp_path / "broker").start()
+    try:
+        journals = wire.stub(broker.address)
+        wire.create(journals, wire.spec("cut/hurt", codec=pb.NONE), wire.spec("cut/fine"))
+        for i in range(3):
+            wire.append(journals, "cut/hurt", body(i, 40 << 10))
+        wire.append(journals, "cut/fine", b"rolled" * 20000)
+        (spool,) = (broker.data_dir / "journals" / "cut" / "hurt" / "@spool").glob("*.spool")
+        os.truncate(spool, 50000)
+        # Both spools are now past their fragment's length: the ticker rolls them (the
+        # appends' own rolls are refused or over), cut/hurt first, in the same pass.
+        wire.update(journals, wire.spec("cut/hurt", codec=pb.NONE, length=64 << 10))
+        wire.update(journals, wire.spec("cut/fine", length=64 << 10))
+        wire.wait_until(lambda: any(f.backing_store for f in wire.fragments(journals, "cut/fine")))
+        assert os.stat(spool).st_size == 50000  # not extended with zeros
+        assert not any(f.backing_store for f in wire.fragments(journals, "cut/hurt"))
+        with pytest.raises(grpc.RpcError) as lost:
+            wire.read(journals, "cut/hurt")
+        assert lost.value.code() == grpc.StatusCode.DATA_LOSS, lost.value.details()
+        with pytest.raises(grpc.RpcError) as refused:
+            wire.append(journals, "cut/hurt", b"more")
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # still fenced
+        wire.append(journals, "cut/fine", b", then stopped")
+        assert broker.terminate() == 0  # a clean stop, which rolls and persists the others
+    finally:
+        broker.kill()
+    assert os.stat(spool).st_size == 50000
+    assert [p.name for p in spool.parent.glob("*.spool")] == [spool.name]
+    assert "cut/hurt: its spool" in broker.log() and "stays spooled" in broker.log()
+    broker.start()
+    try:
+        journals = wire.stub(broker.address)
+        assert wire.read(journals, "cut/hurt")[0] == body(0, 40 << 10)  # its whole appends
+        assert wire.read(journals, "cut/fine")[0] == b"rolled" * 20000 + b", then stopped"
+        assert all(f.backing_store for f in wire.fragments(journals, "cut/fine")
+                   if f.end > f.begin)
+    finally:
+        broker.kill()
+
+
 BAD_SPECS = {
     "name": ("a" * 300, "segment 'aaaaaaaaaaaaaaaaaaaaaaaa'… is 300 bytes"),
     "utf-8 name": ("x/" + "ü" * 128, "is 256 bytes"),
@@ -404,14 +452,29 @@ def test_a_journal_first_opened_on_a_full_disk_is_retried_once_there_is_room(
         with open(filler, "wb") as f, contextlib.suppress(OSError):
             while True:
                 f.write(b"\0" * MIB)
-        code, text = put(broker, "room/later", b"x")
-        assert code == 507 and "No space left on device" in text, (code, text)
-        assert "fix its spec" not in text
+        for _ in range(5):
+            code, text = put(broker, "room/later", b"x")
+            assert code == 507 and "No space left on device" in text, (code, text)
+            assert "fix its spec" not in text
+        # Said once per outage, and tried again every few seconds, not at each request
+        # (each attempt re-reads the journal's spools).
+        assert broker.log().count("journal room/later: opening it failed") == 1, broker.log()
         filler.unlink()
-        assert wire.append(journals, "room/later", b"now").commit.end == 3
+        appended = wire.wait_until(lambda: _append_unless_full(journals, "room/later", b"now"),
+                                   what="room/later to open once there is room")
+        assert appended.commit.end == 3
         assert wire.read(journals, "room/now")[0] == b"open"
     finally:
         broker.kill()
+
+
+def _append_unless_full(journals, journal: str, content: bytes) -> pb.AppendResponse | None:
+    try:
+        return wire.append(journals, journal, content)
+    except grpc.RpcError as error:
+        if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        return None
 
 
 def test_size_limits_refuse_large_bodies_and_messages_and_keep_serving(tmp_path: Path) -> None:

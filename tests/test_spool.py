@@ -9,11 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from streamkit.broker.persister import SpoolDamaged, compress_spool
+from streamkit.broker.persister import Persister, SpoolDamaged, compress_spool
+from streamkit.broker.replica import Replica
 from streamkit.broker.spool import INLINE_MAX, Spool
+from streamkit.broker.stores import open_store
 from streamkit.protocol import pb
 from streamkit.protocol.fragments import digest_of
 from streamkit.protocol.labels import label_set
+from tests import wire
+from tests.waiting import LIVENESS
 
 JOURNAL = "spool/test"
 
@@ -133,3 +137,103 @@ async def test_a_damaged_spool_is_not_persisted(tmp_path: Path, codec: int, dama
     with pytest.raises(SpoolDamaged, match=rf"journal {JOURNAL}: DAMAGED: spool .* left "):
         compress_spool(spool, out)
     assert list(out.iterdir()) == []  # no temp file left behind
+
+
+async def test_sealing_a_spool_cut_short_never_extends_it(tmp_path: Path) -> None:
+    """ftruncate to the committed length would extend a file cut short from outside: the
+    hole would read, and persist, as committed zeros. Seal fences the spool and raises
+    instead, leaving the file as it is (for the restart's recovery); a file longer than
+    committed (rolled-back appends) is still cut to it."""
+    spool = Spool.create(JOURNAL, tmp_path, 0, pb.NONE, pb.LabelSet())
+    await _append(spool, b"x" * (INLINE_MAX + 1))
+    os.truncate(spool.data_path, 1000)
+    with pytest.raises(SpoolDamaged, match=rf"holds 1000 bytes, not {INLINE_MAX + 1}"):
+        spool.seal()
+    assert os.stat(spool.data_path).st_size == 1000
+    assert "damaged from outside the broker" in spool.fenced
+    spool.close()
+
+    longer = Spool.create(JOURNAL, tmp_path / "longer", 0, pb.NONE, pb.LabelSet())
+    await _append(longer, b"y" * 10)
+    with open(longer.data_path, "ab") as f:
+        f.write(b"rolled back")
+    longer.seal()
+    assert os.stat(longer.data_path).st_size == 10
+    longer.close()
+
+
+async def test_a_spool_cut_short_is_not_rolled(tmp_path: Path) -> None:
+    """Replica.roll (a flush interval, the fragment length, a clean shutdown) leaves a spool
+    cut short from outside as it is: not extended, not handed to the persister, still the
+    journal's spool and fenced (a new spool taking appends would end the fence silently)."""
+    rolled: list[Spool] = []
+    replica = await Replica.open(wire.spec("roll/cut", codec=pb.NONE), tmp_path, [],
+                                 lambda r, s: rolled.append(s))
+    spool = replica.spool
+    txn = spool.start_append()
+    await txn.write(b"z" * (INLINE_MAX + 1))
+    await txn.commit(None)
+    os.truncate(spool.data_path, 1000)
+    assert not replica.roll()
+    assert not replica.maybe_roll(now=10**10)  # (it is long past its fragment's length too)
+    assert replica.spool is spool and rolled == [] and spool.fenced
+    assert os.stat(spool.data_path).st_size == 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == [spool.log_path.name,
+                                                         spool.data_path.name]
+    await replica.close()
+
+
+async def test_a_damaged_spool_does_not_stop_its_journal_persisting(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A rolled spool damaged before it is persisted is no store outage: retried, it would
+    be the journal's probe for ever and park every later spool. It is said once (ERROR),
+    stays local, and the journal's later spools are persisted."""
+    store = open_store("file:///", tmp_path / "store")
+    spec = wire.spec("persist/damaged", length=1 << 10, codec=pb.SNAPPY)
+    persister = Persister(tmp_path / "scratch")
+    replica = await Replica.open(spec, tmp_path / "spool", [store], persister.enqueue)
+    for i in range(3):
+        txn = replica.spool.start_append()
+        await txn.write(bytes([65 + i]) * (INLINE_MAX + 1))
+        await txn.commit(None)
+        assert replica.roll()
+    first = replica.local[0]
+    with open(first.data_path, "r+b") as f:  # damaged from outside: other bytes
+        f.write(b"\0" * 100)
+    persister.start()
+    try:
+        assert await persister.drain(LIVENESS)
+    finally:
+        await persister.stop()
+    persisted = sorted((f.begin, f.end) for f in await store.list(spec.name))
+    step = INLINE_MAX + 1
+    assert persisted == [(step, 2 * step), (2 * step, 3 * step)]
+    assert first.data_path.exists() and replica.local[0] is first  # stays local
+    damaged = [r for r in caplog.records if "DAMAGED" in r.getMessage()]
+    assert len(damaged) == 1 and damaged[0].levelname == "ERROR", caplog.text
+    assert f"journal {spec.name}: DAMAGED: spool {first.data_path}" in damaged[0].getMessage()
+    await replica.close()
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_a_journal_whose_open_fails_leaks_no_descriptors(tmp_path: Path) -> None:
+    """Replica.open closes the spools it recovered when a later step fails: a journal whose
+    open is retried (at requests) must not leak two descriptors per spool each time."""
+    directory = tmp_path / "spool"
+    spec = wire.spec("open/fails", length=1 << 10)
+    replica = await Replica.open(spec, directory, [], lambda r, s: None)
+    for i in range(3):
+        txn = replica.spool.start_append()
+        await txn.write(bytes([65 + i]) * 2000)
+        await txn.commit(None)
+        replica.roll()
+    await replica.close()
+    (directory / f"{1 << 40:016x}.spool").mkdir()  # recovering it fails: a folder
+    before = _open_descriptors()
+    for _ in range(5):
+        with pytest.raises(IsADirectoryError):
+            await Replica.open(spec, directory, [], lambda r, s: None)
+    assert _open_descriptors() == before

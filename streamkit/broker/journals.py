@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 DEFAULT_ROOT = "/gazette/cluster"
 NAME_MAX = 255  # bytes in a file name (a journal name's segment is a folder's name)
 RETRY_OPEN = 30.0  # seconds before a journal that failed to open is tried again
+RETRY_FULL = 2.0  # seconds before a journal that failed to open on a full disk is tried again
 FOLLOW_RETRY_MIN, FOLLOW_RETRY_MAX = 0.5, 5.0  # pauses before following specs again
 CATCH_UP_WAIT = 10.0  # longest an Apply waits for the watch to see its change
 
@@ -90,6 +91,11 @@ class JournalRegistry:
         # Journals whose replica could not be opened: the spec revision that failed, when,
         # and the fault every request gets until the spec changes or RETRY_OPEN passes.
         self._failed: dict[str, tuple[int, float, JournalUnavailable]] = {}
+        # Journals whose open failed on a full disk: when, and the fault requests get until
+        # RETRY_FULL passes (each attempt re-reads the journal's spools); and the journals
+        # whose full disk was logged (once per outage, not at every attempt).
+        self._exhausted: dict[str, tuple[float, StorageExhausted]] = {}
+        self._full_logged: set[str] = set()
 
     async def start(self) -> None:
         """Load every spec and recover its replica, then follow changes."""
@@ -127,7 +133,8 @@ class JournalRegistry:
         A journal that can't be opened raises JournalUnavailable, naming the
         cause, and affects nothing else; it is tried again when its spec
         changes, or RETRY_OPEN seconds later. A full disk is no fault of the spec:
-        StorageExhausted (RESOURCE_EXHAUSTED), tried again at the next request.
+        StorageExhausted (RESOURCE_EXHAUSTED), tried again at the first request
+        RETRY_FULL seconds later.
         """
         replica = self._replicas.get(name)
         if replica is not None:
@@ -139,26 +146,38 @@ class JournalRegistry:
         if failed is not None and failed[0] == entry.mod_revision and (
                 time.monotonic() - failed[1] < RETRY_OPEN):
             raise failed[2]
+        exhausted = self._exhausted.get(name)
+        if exhausted is not None and time.monotonic() - exhausted[0] < RETRY_FULL:
+            raise exhausted[1]
         task = self._opening.get(name)
         if task is None:
             task = asyncio.create_task(self._open(
                 entry.spec, created_since_start=entry.create_revision > self._start_revision))
             self._opening[name] = task
         try:
-            return await asyncio.shield(task)
+            replica = await asyncio.shield(task)
         except Exception as error:
-            if isinstance(exhausted := storage_fault(name, "opening it", error),
-                          StorageExhausted):
-                log.warning("%s", exhausted)
-                raise exhausted from None
+            if isinstance(full := storage_fault(name, "opening it", error), StorageExhausted):
+                self._exhausted[name] = (time.monotonic(), full)
+                if name not in self._full_logged:  # once per outage, not at every attempt
+                    self._full_logged.add(name)
+                    log.warning("%s (tried again at requests every %gs until it opens)",
+                                full, RETRY_FULL)
+                raise full from None
             fault = JournalUnavailable(name, f"cannot be served: {_reason(error)}; fix its spec "
                                              "or delete it (streamkit journals apply)")
             if failed is None or failed[0] != entry.mod_revision:
                 log.error("%s", fault, exc_info=not isinstance(error, OSError | FragmentStoreError))
             self._failed[name] = (entry.mod_revision, time.monotonic(), fault)
+            self._exhausted.pop(name, None)
             raise fault from None
         finally:
             self._opening.pop(name, None)
+        self._exhausted.pop(name, None)
+        if name in self._full_logged:
+            self._full_logged.discard(name)
+            log.info("journal %s: opened, now that there is room on the disk", name)
+        return replica
 
     async def _open(self, spec: pb.JournalSpec, *, created_since_start: bool) -> Replica:
         stores = self.stores_of(spec)
@@ -306,6 +325,8 @@ class JournalRegistry:
     def _drop(self, name: str) -> None:
         self.entries.pop(name, None)
         self._failed.pop(name, None)
+        self._exhausted.pop(name, None)
+        self._full_logged.discard(name)
         replica = self._replicas.pop(name, None)
         if replica is not None:
             task = asyncio.create_task(replica.close())

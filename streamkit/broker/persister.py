@@ -22,7 +22,7 @@ from pathlib import Path
 from streamkit.broker import metrics
 from streamkit.broker.local_disk import on_disk
 from streamkit.broker.replica import Replica
-from streamkit.broker.spool import Spool
+from streamkit.broker.spool import Spool, SpoolDamaged
 from streamkit.protocol import pb
 from streamkit.protocol.codecs import new_compressor
 from streamkit.protocol.fragments import sum_of
@@ -72,14 +72,6 @@ def compress_spool(spool: Spool, out_dir: Path) -> Path:
         Path(name).unlink(missing_ok=True)
         raise
     return Path(name)
-
-
-class SpoolDamaged(OSError):
-    """A rolled spool's file no longer holds the bytes committed to it: not persisted."""
-
-    def __init__(self, spool: Spool, what: str) -> None:
-        super().__init__(f"journal {spool.journal}: DAMAGED: spool {spool.data_path} {what}; "
-                         f"left unpersisted")
 
 
 class _Backoff:
@@ -164,6 +156,15 @@ class Persister:
                 store_url = replica.stores[0].url  # the spec may change during the attempt
                 try:
                     await self._persist(replica, spool)
+                except SpoolDamaged as err:
+                    # Not a store outage: retrying reads the same damaged file, and as the
+                    # journal's oldest spool it would probe for ever, parking the later
+                    # ones. It leaves the queue (said once) and stays local; the restart's
+                    # recovery keeps its intact prefix. The journal's later spools go on.
+                    metrics.PERSIST_FAILURES.labels(journal=replica.name).inc()
+                    log.error("%s (it stays local; the broker's next start recovers its intact "
+                              "prefix); the journal's later spools are persisted", err)
+                    self._finish(item, persisted=False)
                 except Exception as err:
                     self._failed(item, store_url, err)
                 else:

@@ -130,6 +130,8 @@ class ReadStream:
             stream = await store.in_thread(_open_at, store, fragment, self.offset)
         except _EndedEarly as short:
             raise self._lost(fragment, doing, short.offset, "it ended early") from None
+        except _UndecodableAt as bad:  # while skipping to self.offset: where it failed
+            raise self._undecodable(fragment, doing, bad.offset, bad.error) from bad.error
         except CodecError as error:  # (an OSError: caught before the store's failures)
             raise self._undecodable(fragment, doing, self.offset, error) from error
         except (OSError, FragmentStoreError) as error:
@@ -175,13 +177,26 @@ class _EndedEarly(Exception):
         self.offset = offset
 
 
+class _UndecodableAt(Exception):
+    """A stored fragment's content could not be decoded at `offset`, before where a read
+    was to start."""
+
+    def __init__(self, offset: int, error: CodecError) -> None:
+        super().__init__(f"the content can't be decoded at offset {offset}: {error}")
+        self.offset = offset
+        self.error = error
+
+
 def _open_at(store: FragmentStore, fragment: pb.Fragment, offset: int) -> BinaryIO:
     """Open a decompressed view of a stored fragment, positioned at `offset` (blocking)."""
     stream = open_decompressed(store.open(fragment), fragment.compression_codec)
     position = fragment.begin
     try:
         while position < offset:
-            skipped = len(stream.read(min(offset - position, 1 << 22)))
+            try:
+                skipped = len(stream.read(min(offset - position, 1 << 22)))
+            except CodecError as error:
+                raise _UndecodableAt(position, error) from error
             if skipped == 0:
                 raise _EndedEarly(position)
             position += skipped

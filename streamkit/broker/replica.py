@@ -83,10 +83,16 @@ class Replica:
         waits for a listing before it takes appends (its data dir may be lost)."""
         replica = cls(spec, directory, stores)
         replica._on_roll = on_roll
-        rolled = await on_disk(replica._recover_spools)
-        if new and replica.known_from == sys.maxsize:
-            replica.known_from = 0
-        await replica.refresh()
+        try:
+            rolled = await on_disk(replica._recover_spools)
+            if new and replica.known_from == sys.maxsize:
+                replica.known_from = 0
+            await replica.refresh()
+        except BaseException:
+            # Close what was opened: a journal whose open is retried (a full disk, say)
+            # must not leak two descriptors per spool at each attempt.
+            replica._close_spools()
+            raise
         for spool in rolled:
             on_roll(replica, spool)
         return replica
@@ -122,12 +128,18 @@ class Replica:
     def _recover_spools(self) -> list[Spool]:
         """Reopen every spool file; all but the newest were rolled and await persisting."""
         paths = sorted(self.directory.glob("*.spool")) if self.directory.exists() else []
-        spools = []
-        for path in paths:
-            spool, commit_log = Spool.recover(self.name, path, self.spec.fragment.compression_codec)
-            if commit_log.registers is not None:
-                self.registers = commit_log.registers
-            spools.append(spool)
+        spools: list[Spool] = []
+        try:
+            for path in paths:
+                spool, commit_log = Spool.recover(self.name, path,
+                                                  self.spec.fragment.compression_codec)
+                if commit_log.registers is not None:
+                    self.registers = commit_log.registers
+                spools.append(spool)
+        except BaseException:
+            for spool in spools:
+                spool.close()
+            raise
         rolled = []
         for spool in spools[:-1]:
             if spool.length == 0:
@@ -152,6 +164,13 @@ class Replica:
         codec = self.spec.fragment.compression_codec
         self.spool = Spool.create(self.name, self.directory, begin, codec, self.registers)
         self._track_local(self.spool)
+
+    def _close_spools(self) -> None:
+        for spool in self.local.values():
+            spool.close()
+        spool = getattr(self, "spool", None)
+        if spool is not None:
+            spool.close()
 
     async def close(self) -> None:
         """Stop serving (journal deleted or broker stopping); files stay on disk.
@@ -197,24 +216,36 @@ class Replica:
         if flush > 0 and spool.first_append_ms:
             now_ms = int((time.time() if now is None else now) * 1000)
             due = due or (spool.first_append_ms // flush != now_ms // flush)
-        if due:
-            self.roll()
-        return due
+        return due and self.roll()
 
-    def roll(self) -> None:
+    def roll(self) -> bool:
         """Close the current spool to appends and start the next at the write head.
 
         The next spool is made first: if that fails (a full disk), the current
         one goes on taking appends and nothing changed.
+
+        A fenced spool (its file cut short from outside, or a commit that could not be
+        undone) is not rolled: it stays as it is, local and refusing appends, for the
+        restart's recovery, which keeps its intact prefix. Rolling it would end the fence
+        silently (the next spool taking appends) and persist what it lost. Returns whether
+        the spool rolled.
         """
         old = self.spool
+        old.check_intact()
+        if old.fenced:
+            return False
         codec = self.spec.fragment.compression_codec
         new = Spool.create(self.name, self.directory, old.end, codec, self.registers)
-        old.seal()
+        try:
+            old.seal()
+        except BaseException:  # (SpoolDamaged: cut short just now; fenced by seal)
+            new.remove_files()
+            raise
         self.spool = new
         self._track_local(new)
         self._on_roll(self, old)
         self.notify()
+        return True
 
     def committed(self, spool: Spool) -> None:
         """Publish a spool's new committed end to readers."""

@@ -254,10 +254,15 @@ class Broker:
         async with replica.append_lock:
             if replica.spool.length and replica.stores:
                 try:
-                    replica.roll()
+                    rolled = replica.roll()
                 except OSError as err:  # a full disk: the spool is recovered at restart
                     log.warning("journal %s: could not roll its spool for persisting before "
                                 "shutdown (%s); it stays spooled", replica.name, err)
+                    return
+                if not rolled:  # fenced (damaged from outside, say): not sealed nor persisted
+                    log.warning("journal %s: its spool %s is not persisted before shutdown: "
+                                "%s; it stays spooled, for the next start to recover",
+                                replica.name, replica.spool.data_path, replica.spool.fenced)
 
     async def _tick(self) -> None:
         """Roll spools whose flush interval passed, and refresh store listings."""

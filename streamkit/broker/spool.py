@@ -127,6 +127,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class SpoolDamaged(OSError):
+    """A spool's file no longer holds the bytes committed to it (damaged from outside the
+    broker): it is neither sealed nor persisted, and stays local for the restart's recovery."""
+
+    def __init__(self, spool: Spool, what: str) -> None:
+        super().__init__(f"journal {spool.journal}: DAMAGED: spool {spool.data_path} {what}; "
+                         f"left unpersisted")
+
+
 @dataclass
 class Spool:
     """One local fragment file of a journal: [begin, end) committed bytes.
@@ -168,11 +177,15 @@ class Spool:
         try:
             write_all(spool._log_fd, _encode_record(begin, 0, registers))
             os.fsync(spool._log_fd)
-        except OSError:
+        except BaseException:
             spool.remove_files()
             raise
-        os.fsync(spool._fd)
-        _fsync_dir(directory)
+        try:
+            os.fsync(spool._fd)
+            _fsync_dir(directory)
+        except BaseException:
+            spool.close()
+            raise
         return spool
 
     @classmethod
@@ -182,6 +195,15 @@ class Spool:
         log = read_commit_log(data_path.with_suffix(".commits"), begin)
         spool = cls(journal=journal, directory=data_path.parent, begin=begin, codec=codec)
         spool._open(truncate=False)
+        try:
+            log = spool._recover(log)
+        except BaseException:
+            spool.close()  # (its descriptors must not leak when a journal's open fails)
+            raise
+        return spool, log
+
+    def _recover(self, log: CommitLog) -> CommitLog:
+        spool, journal, data_path, begin = self, self.journal, self.data_path, self.begin
         os.ftruncate(spool._log_fd, log.valid_bytes)
         for offset, content in log.inline:  # small appends whose spool write was not synced
             write_all(spool._fd, content, offset - begin)
@@ -203,12 +225,17 @@ class Spool:
         spool.end = log.end
         spool.first_append_ms = log.first_append_ms
         spool._rehash()
-        return spool, log
+        return log
 
     def _open(self, truncate: bool) -> None:
         flags = os.O_RDWR | os.O_CREAT | (os.O_TRUNC if truncate else 0)
         self._fd = os.open(self.data_path, flags, 0o644)
-        self._log_fd = os.open(self.log_path, flags | os.O_APPEND, 0o644)
+        try:
+            self._log_fd = os.open(self.log_path, flags | os.O_APPEND, 0o644)
+        except BaseException:
+            os.close(self._fd)
+            self._fd = -1
+            raise
 
     def _rehash(self) -> None:
         self._sha1 = hashlib.sha1()
@@ -275,9 +302,17 @@ class Spool:
     def seal(self) -> None:
         """Cut off bytes of rolled-back appends: the file becomes exactly [begin, end).
 
-        Nothing appends to a sealed spool, so its commit log is closed too.
+        Nothing appends to a sealed spool, so its commit log is closed too. A file cut
+        short from outside is never extended (the hole would read, and persist, as
+        committed zeros): the spool is fenced and SpoolDamaged raised, the spool left as
+        it is for the restart's recovery (which keeps its intact prefix).
         """
-        os.ftruncate(self._fd, self.length)
+        size = os.fstat(self._fd).st_size
+        if size < self.length:
+            self.check_intact()
+            raise SpoolDamaged(self, f"holds {size} bytes, not {self.length}")
+        if size > self.length:
+            os.ftruncate(self._fd, self.length)
         if self._log_fd >= 0:
             os.close(self._log_fd)
             self._log_fd = -1
