@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -118,6 +119,18 @@ def test_a_damaged_spool_serves_its_intact_prefix_and_spares_the_others(
         broker.kill()
 
 
+def _cut_short(broker: BrokerProcess, journals: Any, prefix: str) -> Path:
+    """Journals PREFIX/hurt (three 40 KiB appends, uncompressed) and PREFIX/fine; hurt's
+    spool file cut to 50,000 bytes under the running broker (damage from outside)."""
+    wire.create(journals, wire.spec(f"{prefix}/hurt", codec=pb.NONE),
+                wire.spec(f"{prefix}/fine"))
+    for i in range(3):
+        wire.append(journals, f"{prefix}/hurt", body(i, 40 << 10))
+    (spool,) = (broker.data_dir / "journals" / prefix / "hurt" / "@spool").glob("*.spool")
+    os.truncate(spool, 50000)
+    return spool
+
+
 def test_a_spool_truncated_under_the_running_broker_serves_no_zeros(tmp_path: Path) -> None:
     """The same damage while the broker runs: the next append is refused (FAILED_PRECONDITION,
     naming the journal, the file and the span lost) instead of writing past the file's
@@ -127,11 +140,7 @@ def test_a_spool_truncated_under_the_running_broker_serves_no_zeros(tmp_path: Pa
     broker = BrokerProcess(tmp_path / "broker").start()
     try:
         journals = wire.stub(broker.address)
-        wire.create(journals, wire.spec("live/hurt", codec=pb.NONE), wire.spec("live/fine"))
-        for i in range(3):
-            wire.append(journals, "live/hurt", body(i, 40 << 10))
-        (spool,) = (broker.data_dir / "journals" / "live" / "hurt" / "@spool").glob("*.spool")
-        os.truncate(spool, 50000)
+        spool = _cut_short(broker, journals, "live")
         with pytest.raises(grpc.RpcError) as refused:
             wire.append(journals, "live/hurt", body(3, 40 << 10))
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # until a restart
@@ -170,12 +179,8 @@ def test_a_spool_cut_short_under_the_running_broker_is_neither_rolled_nor_persis
     broker = BrokerProcess(tmp_path / "broker").start()
     try:
         journals = wire.stub(broker.address)
-        wire.create(journals, wire.spec("cut/hurt", codec=pb.NONE), wire.spec("cut/fine"))
-        for i in range(3):
-            wire.append(journals, "cut/hurt", body(i, 40 << 10))
+        spool = _cut_short(broker, journals, "cut")
         wire.append(journals, "cut/fine", b"rolled" * 20000)
-        (spool,) = (broker.data_dir / "journals" / "cut" / "hurt" / "@spool").glob("*.spool")
-        os.truncate(spool, 50000)
         # Both spools are now past their fragment's length: the ticker rolls them (the
         # appends' own rolls are refused or over), cut/hurt first, in the same pass.
         wire.update(journals, wire.spec("cut/hurt", codec=pb.NONE, length=64 << 10))
