@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from streamkit.broker.local_disk import on_disk
+from streamkit.errors import StreamkitError
 from streamkit.protocol import pb
 from streamkit.protocol.fragments import sum_of
 
@@ -127,7 +128,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-class SpoolDamaged(OSError):
+class SpoolDamaged(StreamkitError, OSError):
     """A spool's file no longer holds the bytes committed to it (damaged from outside the
     broker): it is neither sealed nor persisted, and stays local for the restart's recovery."""
 
