@@ -204,28 +204,29 @@ class Spool:
         return spool, log
 
     def _recover(self, log: CommitLog) -> CommitLog:
-        spool, journal, data_path, begin = self, self.journal, self.data_path, self.begin
-        os.ftruncate(spool._log_fd, log.valid_bytes)
+        """Bring the opened files back to what `log` says was committed; the log kept."""
+        begin = self.begin
+        os.ftruncate(self._log_fd, log.valid_bytes)
         for offset, content in log.inline:  # small appends whose spool write was not synced
-            write_all(spool._fd, content, offset - begin)
+            write_all(self._fd, content, offset - begin)
         if log.inline:
-            os.fdatasync(spool._fd)
-        size = os.fstat(spool._fd).st_size
+            os.fdatasync(self._fd)
+        size = os.fstat(self._fd).st_size
         if size < log.end - begin:
             # The file lost committed bytes (damage from outside: a truncation, a disk
             # fault). Serve the committed prefix that is intact rather than nothing.
             committed = log.end
-            log = read_commit_log(spool.log_path, begin, limit=begin + size)
-            os.ftruncate(spool._log_fd, log.valid_bytes)
+            log = read_commit_log(self.log_path, begin, limit=begin + size)
+            os.ftruncate(self._log_fd, log.valid_bytes)
             logger.error(
                 "journal %s: DAMAGED: spool %s holds %d bytes but [%d, %d) were committed; "
                 "serving [%d, %d), the rest is lost (restore it from a copy if there is one)",
-                journal, data_path, size, begin, committed, begin, log.end,
+                self.journal, self.data_path, size, begin, committed, begin, log.end,
             )
-        os.ftruncate(spool._fd, log.end - begin)
-        spool.end = log.end
-        spool.first_append_ms = log.first_append_ms
-        spool._rehash()
+        os.ftruncate(self._fd, log.end - begin)
+        self.end = log.end
+        self.first_append_ms = log.first_append_ms
+        self._rehash()
         return log
 
     def _open(self, truncate: bool) -> None:
