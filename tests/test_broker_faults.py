@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -445,9 +446,9 @@ def test_a_device_out_of_space_fails_appends_until_space_returns(small_disk: Pat
 
 def test_a_journal_first_opened_on_a_full_disk_is_retried_once_there_is_room(
         small_disk: Path) -> None:
-    """Opening a journal writes its first spool: on a full disk that is RESOURCE_EXHAUSTED
-    (HTTP 507) saying so, as for an append, not "fix its spec" (FAILED_PRECONDITION) held
-    for 30 s after the room came back."""
+    """A journal's first spool can't be written on a full disk: its appends fail
+    RESOURCE_EXHAUSTED (HTTP 507) saying so, not "fix its spec" (FAILED_PRECONDITION) held
+    for 30 s after the room came back, and work once there is room."""
     broker = BrokerProcess(small_disk / "broker").start()
     filler = small_disk / "filler"
     try:
@@ -461,14 +462,53 @@ def test_a_journal_first_opened_on_a_full_disk_is_retried_once_there_is_room(
             code, text = put(broker, "room/later", b"x")
             assert code == 507 and "No space left on device" in text, (code, text)
             assert "fix its spec" not in text
-        # Said once per outage, and tried again every few seconds, not at each request
-        # (each attempt re-reads the journal's spools).
-        assert broker.log().count("journal room/later: opening it failed") == 1, broker.log()
+        # Logged once per outage, not at each request.
+        assert broker.log().count("journal room/later: no room for its write head's "
+                                  "spool") == 1, broker.log()
         filler.unlink()
         appended = wire.wait_until(lambda: _append_unless_full(journals, "room/later", b"now"),
                                    what="room/later to open once there is room")
         assert appended.commit.end == 3
         assert wire.read(journals, "room/now")[0] == b"open"
+    finally:
+        broker.kill()
+
+
+def test_a_journal_opened_on_a_full_disk_serves_its_stores_history(small_disk: Path) -> None:
+    """A journal opened without local spools (re-created after its spec was deleted, its
+    spool folder gone) has its history in the stores; on a full disk it can't write its
+    head's spool yet, but reads of that history go on, and appends are refused saying the
+    disk is full until there is room."""
+    broker = BrokerProcess(small_disk / "broker").start()
+    filler = small_disk / "filler"
+    journals = wire.stub(broker.address)
+    try:
+        wire.create(journals, wire.spec("hist/j"))
+        assert wire.append(journals, "hist/j", b"history").commit.end == 7
+        assert broker.terminate() == 0  # a clean stop persists the spool to the store
+        broker.start()
+        journals = wire.stub(broker.address)
+        (listed,) = next(iter(journals.List(pb.ListRequest()))).journals
+        deleted = journals.Apply(pb.ApplyRequest(changes=[pb.ApplyRequest.Change(
+            expect_mod_revision=listed.mod_revision, delete="hist/j")]))
+        assert deleted.status == pb.OK
+        shutil.rmtree(small_disk / "broker" / "journals" / "hist" / "j")
+        wire.create(journals, wire.spec("hist/j"))
+        with open(filler, "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * MIB)
+        assert wire.read(journals, "hist/j")[0] == b"history"
+        code, text = put(broker, "hist/j", b"x")
+        assert code == 507 and "No space left on device" in text, (code, text)
+        filler.unlink()
+        appended = wire.append(journals, "hist/j", b" goes on")
+        assert (appended.commit.begin, appended.commit.end) == (7, 15)
+        assert wire.read(journals, "hist/j")[0] == b"history goes on"
+    finally:
+        broker.kill()
+    broker.start()
+    try:
+        assert wire.read(wire.stub(broker.address), "hist/j")[0] == b"history goes on"
     finally:
         broker.kill()
 

@@ -116,6 +116,7 @@ async def append(
             return pb.AppendResponse(status=status, header=header, registers=replica.registers)
 
         try:
+            replica.write_head_spool()
             replica.maybe_roll()
         except OSError as error:
             raise _fault(replica, "starting its next spool", error) from error

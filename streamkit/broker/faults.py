@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 # Out of space: the device is full, the file may not grow (RLIMIT_FSIZE), a quota.
-_NO_SPACE = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+NO_SPACE = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 _ETCD_NO_SPACE = "database space exceeded"  # etcd's error when its space quota is spent
 
 
@@ -94,7 +94,7 @@ def storage_fault(journal: str, doing: str, error: Exception) -> JournalFault:
     if isinstance(error, CodecError):
         return ContentLost(journal, f"{doing} failed: its content can't be decoded: {error}")
     reason = getattr(error, "strerror", None) or str(error)
-    if getattr(error, "errno", None) in _NO_SPACE:
+    if getattr(error, "errno", None) in NO_SPACE:
         return StorageExhausted(
             journal, f"{doing} failed: {reason} (the broker's disk is full or the file may "
                      "not grow); rolled back, appends work again once there is room")
@@ -135,7 +135,7 @@ def _says_full(error: BaseException) -> bool:
     if isinstance(error, sqlite3.Error):
         return (getattr(error, "sqlite_errorcode", 0) & 0xFF) == sqlite3.SQLITE_FULL
     if isinstance(error, OSError):
-        return error.errno in _NO_SPACE
+        return error.errno in NO_SPACE
     code = getattr(error, "code", None)  # a gRPC error (etcd's): code() is its status
     return (isinstance(error, grpc.RpcError) and callable(code)
             and code() == grpc.StatusCode.RESOURCE_EXHAUSTED)

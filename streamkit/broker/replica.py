@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from streamkit.broker.faults import JournalFault, StoresUnlisted
+from streamkit.broker.faults import NO_SPACE, JournalFault, StoresUnlisted
 from streamkit.broker.index import FragmentIndex
 from streamkit.broker.local_disk import on_disk
 from streamkit.broker.spool import Spool
@@ -63,6 +63,8 @@ class Replica:
         # retention): the index may be out of date, so the stores are listed again at the
         # next tick rather than at the refresh interval (5 min by default).
         self.list_soon = False
+        # The head spool's files could not be made at open (a full disk): see _start_spool.
+        self._head_unwritten = False
 
     # --- lifecycle -------------------------------------------------------
 
@@ -160,10 +162,37 @@ class Replica:
         self.local[spool.begin] = spool
         self.index.add(spool.fragment())
 
+    def _new_spool(self, begin: int) -> Spool:
+        return Spool.create(self.name, self.directory, begin,
+                            self.spec.fragment.compression_codec, self.registers)
+
     def _start_spool(self, begin: int) -> None:
-        codec = self.spec.fragment.compression_codec
-        self.spool = Spool.create(self.name, self.directory, begin, codec, self.registers)
+        """Make the empty write head at `begin`. On a full disk it is left unwritten (no
+        files): reads of what the stores hold go on, and the first append writes it, or
+        fails saying the disk is full."""
+        try:
+            self.spool = self._new_spool(begin)
+            self._head_unwritten = False
+        except OSError as error:
+            if error.errno not in NO_SPACE:
+                raise
+            if not self._head_unwritten:  # once, not again as it catches up with stores
+                log.warning("journal %s: no room for its write head's spool (%s); reads go "
+                            "on, appends fail until there is room", self.name, error.strerror)
+            self.spool = Spool(journal=self.name, directory=self.directory, begin=begin,
+                               codec=self.spec.fragment.compression_codec, end=begin)
+            self._head_unwritten = True
         self._track_local(self.spool)
+
+    def write_head_spool(self) -> None:
+        """Write the head's spool files if a full disk left them unwritten at open
+        (raises the OSError if it still does). Callers hold append_lock."""
+        if self._head_unwritten:
+            self.spool = self._new_spool(self.spool.begin)
+            self._head_unwritten = False
+            self._track_local(self.spool)
+            log.info("journal %s: its write head's spool is written, now that there is "
+                     "room", self.name)
 
     def _close_spools(self) -> None:
         for spool in self.local.values():
@@ -234,8 +263,7 @@ class Replica:
         old.check_intact()
         if old.fenced:
             return False
-        codec = self.spec.fragment.compression_codec
-        new = Spool.create(self.name, self.directory, old.end, codec, self.registers)
+        new = self._new_spool(old.end)
         try:
             old.seal()
         except BaseException:  # (SpoolDamaged: cut short just now; fenced by seal)
