@@ -28,7 +28,7 @@ import pytest
 from streamkit.keyspace import open_keyspace
 from streamkit.protocol import pb
 from tests import wire
-from tests.brokerproc import BrokerProcess
+from tests.brokerproc import BrokerProcess, free_port
 
 MIB = 1 << 20
 LIMIT = 6 * MIB + MIB // 2  # RLIMIT_FSIZE: no file of the broker may grow past 6.5 MiB
@@ -511,6 +511,21 @@ def test_a_journal_opened_on_a_full_disk_serves_its_stores_history(small_disk: P
         assert wire.read(wire.stub(broker.address), "hist/j")[0] == b"history goes on"
     finally:
         broker.kill()
+
+
+def test_a_broker_started_on_a_full_disk_says_so(small_disk: Path) -> None:
+    """SQLite calls a full disk met while making its WAL index "disk I/O error"; the broker's
+    one line names the room left as well."""
+    broker = BrokerProcess(small_disk / "broker").start()
+    assert broker.terminate() == 0
+    with open(small_disk / "filler", "wb") as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * MIB)
+    done = subprocess.run([sys.executable, "-m", "streamkit.cli.main", "broker", "serve",
+                           "--data-dir", str(small_disk / "broker"), "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert "cannot open keyspace" in done.stderr and "bytes free)" in done.stderr, done.stderr
 
 
 def _append_unless_full(journals, journal: str, content: bytes) -> pb.AppendResponse | None:

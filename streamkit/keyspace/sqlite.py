@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -376,7 +377,8 @@ class SQLiteKeySpace(KeySpace):
             ).result()
         except sqlite3.Error as e:
             self._executor.shutdown()
-            raise KeySpaceError(f"cannot open keyspace {self._path}: {e}") from e
+            raise KeySpaceError(f"cannot open keyspace {self._path}: {e}"
+                                f"{_full_disk_hint(self._path)}") from e
         except BaseException:
             self._executor.shutdown()
             raise
@@ -488,3 +490,13 @@ class SQLiteKeySpace(KeySpace):
         self._notify()
         await asyncio.get_running_loop().run_in_executor(self._executor, self._store.close)
         self._executor.shutdown(wait=False)
+
+
+def _full_disk_hint(path: str) -> str:
+    """SQLite reports a full disk met while making its WAL index as a "disk I/O error":
+    name the likelier cause when the file's disk has (almost) no room."""
+    try:
+        free = shutil.disk_usage(Path(path).parent).free
+    except OSError:
+        return ""
+    return f" (its disk has {free:,} bytes free)" if free < (1 << 20) else ""
