@@ -174,6 +174,8 @@ async def test_tally_resharded_2_to_8_to_3_keeps_every_key_exact_in_one_shard(
     done = await asyncio.to_thread(reshard, app, broker_proc, 3)
     assert done.returncode == 0, done.stderr
     assert "retired (read-only) partitions: events/part-003" in done.stderr
+    assert ("kept: the recovery logs of the removed shards (recovery/tally/shard-003, "
+            "recovery/tally/shard-004") in done.stderr
     set_shards(app, 3)
     more = events(2000, 600)
     await publish_to(app, broker_proc, "events", more)

@@ -378,6 +378,11 @@ class TransactionsConfig(_Model):
         return self
 
 
+def shard_id(index: int) -> str:
+    """The id of an app's shard `index` (0-based): shard-000, shard-001, ..."""
+    return f"shard-{index:03d}"
+
+
 # --- the application's configuration ---------------------------------------------------
 
 
@@ -605,7 +610,7 @@ class AppConfig(_Model):
         return self.standbys
 
     def shard_ids(self) -> list[str]:
-        return [f"shard-{i:03d}" for i in range(self.shards)]
+        return [shard_id(i) for i in range(self.shards)]
 
     def _topic(self, topic: str) -> TopicConfig:
         for candidate in (*self.outputs, *self.sources):

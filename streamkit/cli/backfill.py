@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from streamkit.app.app_folder import bundled_fragments
-from streamkit.app.config import AppConfig, load_config
+from streamkit.app.config import AppConfig, load_config, shard_id
 from streamkit.app.layout import Layout, read_layout
 from streamkit.app.member import deploy
 from streamkit.app.store_kinds import STORE_KINDS
@@ -381,6 +381,11 @@ def _echo_resharded(config: AppConfig, layout: Layout, retired: list[str]) -> No
     click.echo(f"resharded app {config.name} from {before} to {n} shards", err=True)
     if retired:
         click.echo(f"retired (read-only) partitions: {', '.join(retired)}", err=True)
+    removed = [config.recovery_log(shard_id(i)) for i in range(n, before)]
+    if removed and removed[0]:
+        click.echo(f"kept: the recovery logs of the removed shards ({', '.join(removed)}), "
+                   "their state before the reshard; once it is not needed, delete them with "
+                   "`streamkit journals apply` (`delete: true`)", err=True)
     click.echo(f"next: set `shards: {n}` in streamkit.yaml (or pass --shards {n}), start the "
                f"app, then restart its publishers so they route over the {n} partitions",
                err=True)
