@@ -192,6 +192,12 @@ def test_unknown_key_and_garbage_are_unauthenticated():
     bad_cap = hand_made_token(b'{"cap":-1,"exp":1800000000}', b"secret")
     with pytest.raises(Unauthenticated, match="cap must be"):
         verify(parse_keys(SECRET), bad_cap, Capability.READ, now=NOW)
+    # NaN compares false with every time: such an exp (or nbf) would never expire.
+    for times in (b'"exp":NaN', b'"exp":Infinity', b'"exp":1e308', b'"exp":1800000000,"nbf":NaN',
+                  b'"exp":1800000000,"iat":-Infinity'):
+        odd = hand_made_token(b'{"cap":8,' + times + b"}", b"secret")
+        with pytest.raises(Unauthenticated, match="must be seconds since 1970"):
+            verify(parse_keys(SECRET), odd, Capability.READ, now=NOW)
 
 
 def test_missing_capability_is_denied_naming_it():

@@ -233,12 +233,19 @@ def claims_json(claims: Claims) -> dict[str, Any]:
     return out
 
 
+_MAX_TIME = 253402300799  # 9999-12-31T23:59:59Z
+
+
 def _number(payload: Mapping[str, Any], key: str) -> float | None:
     value = payload.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{key} must be a number of seconds")
+    # NaN compares false with every time (a NaN exp would never expire); Gazette's decoder
+    # refuses NaN and Infinity, and times past year 9999 are no times at all.
+    if not 0 <= value <= _MAX_TIME:
+        raise ValueError(f"{key} must be seconds since 1970 before year 10000")
     return float(value)
 
 
