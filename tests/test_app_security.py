@@ -226,6 +226,10 @@ def test_member_http_api_refuses(secure_app: SecureApp) -> None:
     lister = {"Authorization": f"Bearer {sign(KEYS, Capability.LIST)}"}
     assert _http(secure_app, "/status", lister)[0] == 200
     assert _http(secure_app, "/status", {})[0] == 401
+    assert _http(secure_app, "/metrics", lister)[0] == 200
+    one_shard = {"Authorization": f"Bearer {sign(KEYS, Capability.LIST, 'id=shard-000')}"}
+    code, text = _http(secure_app, "/metrics", one_shard)  # it names every shard
+    assert code == 403 and "needs a token without a selector" in text, (code, text)
     code, text = _http(secure_app, "/status", {**lister, "Host": "attacker.example:80"})
     assert code == 403 and "DNS rebinding" in text
     query = json.dumps({"word": "w1"}).encode()

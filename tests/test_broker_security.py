@@ -369,7 +369,12 @@ async def test_http_gateway_checks_host_origin_and_tokens(
     assert status == 404  # not covered: absent, as over gRPC
     status, _ = _http(secure_broker, pki, "GET", "/metrics")
     assert status == 401
+    # The metrics name every journal: a token limited to some (prefix=web/) may not read
+    # them, one without a selector may.
     status, body = _http(secure_broker, pki, "GET", "/metrics", Authorization=bearer)
+    assert status == 403 and b"needs a token without a selector" in body, body
+    everything = f"Bearer {sign(KEYS, Capability.LIST)}"
+    status, body = _http(secure_broker, pki, "GET", "/metrics", Authorization=everything)
     assert status == 200 and b"streamkit_broker" in body
 
 

@@ -22,7 +22,7 @@ from streamkit.app.query_forward import FORWARDED, PrimaryOf, forward_query
 from streamkit.app.replica import Replica
 from streamkit.app.service import Service
 from streamkit.auth.http_guards import Refusal, guarded
-from streamkit.auth.scope import require_shard, shard_allowed
+from streamkit.auth.scope import require_everything, require_shard, shard_allowed
 from streamkit.auth.settings import Security, body_too_large
 from streamkit.auth.tokens import Capability
 from streamkit.protocol import consumer_pb
@@ -80,6 +80,7 @@ class Handlers:
     async def metrics(self) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+        require_everything("/metrics")
         ensure_registered()
         return Response(body=generate_latest(), content_type=CONTENT_TYPE_LATEST)
 

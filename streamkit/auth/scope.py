@@ -26,6 +26,7 @@ __all__ = [
     "claims_bound",
     "current_claims",
     "journal_allowed",
+    "require_everything",
     "require_journal",
     "require_shard",
     "shard_allowed",
@@ -80,3 +81,11 @@ def require_shard(shard_id: str, labels: pb.LabelSet | None = None) -> None:
     claims = _CLAIMS.get()
     if claims is not None:
         claims.require_shard(shard_id, labels)
+
+
+def require_everything(what: str) -> None:
+    """Raise PermissionDenied unless the current request may see every journal and shard
+    (its token has no selector): `what` names them all."""
+    claims = _CLAIMS.get()
+    if claims is not None:
+        claims.require_everything(what)

@@ -159,6 +159,13 @@ class Claims:
         if not self.covers_shard(shard_id, labels):
             raise PermissionDenied(f"authorization does not cover shard {shard_id} {self._scope()}")
 
+    def require_everything(self, what: str) -> None:
+        """Raise PermissionDenied unless the selector covers every journal and shard (it
+        is empty): for answers that name them all, such as /metrics."""
+        if format_selector(self.selector):
+            raise PermissionDenied(f"{what} names every journal and shard: it needs a token "
+                                   f"without a selector {self._scope()}")
+
     def _scope(self) -> str:
         return f"(its selector is {format_selector(self.selector) or 'empty'!r})"
 

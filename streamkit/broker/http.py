@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from aiohttp import ClientPayloadError, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from streamkit.auth.scope import journal_allowed
+from streamkit.auth.scope import journal_allowed, require_everything
 from streamkit.auth.settings import Security, body_too_large
 from streamkit.auth.tokens import Capability
 from streamkit.broker import metrics
@@ -136,6 +136,7 @@ class HttpGateway:
             await self._runner.cleanup()
 
     async def metrics(self, request: web.Request) -> web.Response:
+        require_everything("/metrics")
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _replica(self, request: web.Request):
