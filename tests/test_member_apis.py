@@ -197,3 +197,35 @@ async def test_ports_out_of_range_are_refused(app: Any, tmp_path: Path) -> None:
     for port in (-1, 65535):
         with pytest.raises(ValueError, match="port must be"):
             await serve_member_apis(member, port=port)
+
+
+async def test_a_kernel_port_whose_neighbour_is_taken_is_passed_over_quietly(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Port 0: the kernel picks the HTTP port, the gRPC one is the port below. When that is
+    taken the pair is given up before gRPC tries it (gRPC's core would print its failure
+    on stderr, in the middle of `streamkit run`'s output)."""
+    from streamkit.app import member_apis
+    from streamkit.auth.settings import Security
+    from streamkit.sockets import listen
+
+    taken = []
+
+    def http_above_a_taken_port(host: str, port: int) -> Any:
+        while True:
+            http = listen(host, port)
+            try:
+                taken.append(listen(host, http.getsockname()[1] - 1))
+                return http
+            except OSError:
+                http.close()
+
+    monkeypatch.setattr(member_apis, "listen", http_above_a_taken_port)
+    tried = []
+    monkeypatch.setattr(Security, "add_port", lambda self, server, address: tried.append(address))
+    try:
+        assert await member_apis._bind_pair("127.0.0.1", 0, Security()) is None
+        assert tried == [] and "Failed to add port" not in capfd.readouterr().err
+    finally:
+        for sock in taken:
+            sock.close()

@@ -89,6 +89,9 @@ async def _bind_pair(
             err.errno, f"cannot listen on {_address(host, port + 1)} for HTTP: {err.strerror}"
         ) from None
     grpc_port = port or http.getsockname()[1] - 1
+    if not port and not _free(host, grpc_port):  # (grpc would log its failure to stderr)
+        http.close()
+        return None
     server = _grpc_server(security)
     try:
         bound = security.add_port(server, _address(host, grpc_port)) if grpc_port > 0 else 0
@@ -101,6 +104,17 @@ async def _bind_pair(
     if port:
         raise OSError(f"cannot listen on {_address(host, port)} for gRPC (is the port in use?)")
     return None
+
+
+def _free(host: str, port: int) -> bool:
+    """Whether nothing listens on `port` (a guess: it may be taken before gRPC binds)."""
+    if port <= 0:
+        return False
+    try:
+        listen(host, port).close()
+    except OSError:
+        return False
+    return True
 
 
 def _primary_elsewhere(member: Member, shard: str) -> str | None:
