@@ -983,3 +983,44 @@ async def test_a_running_task_reports_how_far_it_has_read(
         assert list(folder.iterdir()) == []  # done: its report is gone
     finally:
         await setup.close()
+
+
+STUCK = """
+class Stuck(WordCount):
+    stuck = False
+
+    async def finalize_txn(self, shard, store, publisher) -> None:
+        import time
+
+        if not Stuck.stuck:  # once: a blocking call that runs past hook_timeout
+            Stuck.stuck = True
+            time.sleep(1.5)
+        await super().finalize_txn(shard, store, publisher)
+"""
+
+
+async def test_a_hook_running_too_long_in_a_task_is_named(
+        broker_proc: BrokerProcess, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A backfill task's hook running past `transactions.hook_timeout` is logged naming the
+    shard, the hook and where it is, as a live shard's is (a hung hook would otherwise hang
+    the backfill without a word)."""
+    from streamkit.backfill.task import run_shard
+
+    app = copy_wordcount(tmp_path / "stuck")
+    (app / "app.py").write_text((app / "app.py").read_text() + STUCK)
+    config = (app / "streamkit.yaml").read_text().replace("app:WordCount", "app:Stuck")
+    (app / "streamkit.yaml").write_text(config.replace(
+        "transactions:\n", "transactions:\n  hook_timeout: 500ms\n"))
+    setup = await Setup.start(app, broker_proc)
+    try:
+        await publish(setup, "wordcount/lines", [{"id": i, "line": "w"} for i in range(50)])
+        plan = await setup.plan()
+        with caplog.at_level(logging.WARNING, logger="streamkit.app.watchdog"):
+            result = await run_shard(plan, 0)
+        assert result.messages > 0
+        warned = [r.getMessage() for r in caplog.records if r.name == "streamkit.app.watchdog"]
+        assert len(warned) == 1, warned
+        assert warned[0].startswith("shard shard-000: finalize_txn has run for "), warned
+        assert "time.sleep(1.5)" in warned[0], warned
+    finally:
+        await setup.close()

@@ -46,6 +46,18 @@ class NeverConsuming(WordCount):
         super().consume_message(shard, store, envelope, publisher)
 """
 
+BLOCKING_ASYNC_FINALIZE = """
+import threading
+
+
+class BlockingAsyncFinalize(WordCount):
+    released = threading.Event()
+
+    async def finalize_txn(self, shard, store, publisher) -> None:
+        self.released.wait(60)  # a blocking call in an async hook: it blocks the loop too
+        await super().finalize_txn(shard, store, publisher)
+"""
+
 # Blocks forever, once it left a file saying so (the test waits for that file).
 STUCK_FINALIZE = """
 import pathlib
@@ -139,6 +151,22 @@ async def test_async_hook_that_never_returns_is_named_with_its_stack(
         assert await h.query({"word": "a"}, shard="shard-000") == 1
     _assert_one_warning(seen, "consume_message", app)
     assert "await self.released.wait()" in seen.records[0].getMessage()
+
+
+async def test_async_hook_blocking_its_thread_is_named_where_it_blocks(
+        tmp_path: Path, warnings: Callable[[Callable[[], None]], _Warnings]) -> None:
+    """An async finalize_txn making a blocking call: its coroutine chain would stop at the
+    task (a running coroutine awaits nothing), so the thread's stack is logged."""
+    app = _variant(tmp_path, "BlockingAsyncFinalize", BLOCKING_ASYNC_FINALIZE)
+    async with AppHarness(app) as h:
+        h.member.runtime.watchdog.limit = 0.3  # type: ignore[union-attr]
+        released = type(h.app("shard-000")).released  # type: ignore[attr-defined]
+        seen = warnings(released.set)
+        await h.publish(SOURCE, [{"id": 1, "line": "a b"}])
+        await h.wait_idle()
+    _assert_one_warning(seen, "finalize_txn", app)
+    assert "self.released.wait(60)" in seen.records[0].getMessage()
+    assert "the limit is 0.3s" in seen.records[0].getMessage()
 
 
 def _exit_code(run: object, timeout: float = 60.0) -> int:

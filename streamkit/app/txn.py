@@ -102,6 +102,18 @@ def awaitable_hook(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
     return call
 
 
+def marked_hook(app: Any, hook: str, hooks: HookRecord) -> Callable[..., Awaitable[Any]]:
+    """The app's `hook`, awaitable, marked in `hooks` while it runs (for the watchdog)."""
+    fn = getattr(app, hook)
+    call, is_async = awaitable_hook(fn), inspect.iscoroutinefunction(fn)
+
+    async def marked(*args: Any) -> Any:
+        with hooks.call(hook, is_async):
+            return await call(*args)
+
+    return marked
+
+
 def queue_ack_intents(shard: Shard, cp: consumer_pb.Checkpoint,
                       via: AppendService | None = None) -> list[OpFuture]:
     """Queue the restored checkpoint's ACKs again: its transaction may have died before
@@ -223,9 +235,9 @@ class TransactionLoop:
         self.hooks.consume_hook = "consume_message" if batch is None else "consume_messages"
         self.hooks.consume_async = self._async_consume if batch is None else self._async_batch
         self._poison = PoisonGate(shard.id, self.policies, publisher)
-        self._begin_txn = self._marked("begin_txn")
-        self._finalize = self._marked("finalize_txn")
-        self._finished = self._marked("finished_txn")
+        self._begin_txn = marked_hook(app, "begin_txn", self.hooks)
+        self._finalize = marked_hook(app, "finalize_txn", self.hooks)
+        self._finished = marked_hook(app, "finished_txn", self.hooks)
         self._previous: asyncio.Task[None] | None = None
         self.last_commit: float | None = None  # wall time the last transaction was acknowledged
         # Held from a transaction's first message until its commit started: queries take it
@@ -267,17 +279,6 @@ class TransactionLoop:
     def metrics(self) -> ShardMetrics:
         """The shard's metric children, looked up when its first transaction ends."""
         return shard_metrics(self.shard.id)
-
-    def _marked(self, hook: str) -> Callable[..., Awaitable[Any]]:
-        """The app's `hook`, awaitable, marked in `hooks` while it runs (for the watchdog)."""
-        fn = getattr(self.app, hook)
-        call, is_async, hooks = awaitable_hook(fn), inspect.iscoroutinefunction(fn), self.hooks
-
-        async def marked(*args: Any) -> Any:
-            with hooks.call(hook, is_async):
-                return await call(*args)
-
-        return marked
 
     async def wait_committed(self) -> None:
         """Until the last started commit is durable and acknowledged (raises if it failed)."""

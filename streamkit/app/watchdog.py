@@ -222,7 +222,7 @@ class Watchdog:
             hook, is_async, task, thread = record.describe(token)
             elapsed = now - since
             if elapsed >= self.limit and not warned:
-                log.warning("shard %s: %s has run for %.1fs (the limit is %.0fs); it is at:\n%s",
+                log.warning("shard %s: %s has run for %.1fs (the limit is %gs); it is at:\n%s",
                             record.shard, hook, elapsed, self.limit,
                             self._stack(is_async, task, thread))
                 warned = True
@@ -238,4 +238,9 @@ class Watchdog:
 
     @staticmethod
     def _stack(is_async: bool, task: asyncio.Task[Any] | None, thread: int) -> str:
-        return (_task_stack(task) if is_async else _thread_stack(thread)).rstrip()
+        """Where the call is: an async hook's coroutine chain while it is suspended; the
+        thread's stack for a plain hook, or an async one blocking its thread right now
+        (a running coroutine's chain stops at the task: it awaits nothing)."""
+        coro = task.get_coro() if task is not None else None
+        suspended = is_async and not getattr(coro, "cr_running", False)
+        return (_task_stack(task) if suspended else _thread_stack(thread)).rstrip()

@@ -61,10 +61,11 @@ from streamkit.app.sources import BadFrame
 from streamkit.app.store_kinds import build_store, records_to_log
 from streamkit.app.txn import (
     TransactionFailed,
-    awaitable_hook,
+    marked_hook,
     poison_failed,
     reappend_ack_intents,
 )
+from streamkit.app.watchdog import HookRecord, Watchdog
 from streamkit.backfill.errors import BackfillError
 from streamkit.backfill.handover import hand_over
 from streamkit.backfill.plan import BackfillPlan, ShardPlan
@@ -133,8 +134,11 @@ class TransactionRunner:
         max_duration: float,
         txn_size: int = 0,
         keep: Callable[[Envelope], bool] | None = None,
+        hooks: HookRecord | None = None,
     ) -> None:
         self.shard, self.app, self.store = shard, app, store
+        # Marks the hook running, for a watchdog that names one running too long.
+        self.hooks = hooks if hooks is not None else HookRecord(shard.id)
         self.publisher, self.sequencer = publisher, sequencer
         self.replay = replay
         self._dequeue = sequencer.dequeue_committed if keep is None else _filtered(
@@ -150,21 +154,24 @@ class TransactionRunner:
         self.checkpoint = consumer_pb.Checkpoint()
         self._in_txn = 0  # messages consumed by the open transaction (0: none is open)
         self._phase = "read"  # a hook's name while it runs, for TransactionFailed
-        self._begin = awaitable_hook(app.begin_txn)
-        self._finalize = awaitable_hook(app.finalize_txn)
-        self._finished = awaitable_hook(app.finished_txn)
+        self._begin = marked_hook(app, "begin_txn", self.hooks)
+        self._finalize = marked_hook(app, "finalize_txn", self.hooks)
+        self._finished = marked_hook(app, "finished_txn", self.hooks)
         self._async_consume = inspect.iscoroutinefunction(app.consume_message)
         # Poison messages are passed over as the live shard would (app.poison); a source
         # that passes over consume errors needs consume_message, one message at a time.
         policies = PoisonPolicies(shard.spec)
         self._poison = PoisonGate(shard.id, policies, publisher)
         self._batch = None if policies.passes_over_consume_errors else batch_hook(app)
+        self.hooks.consume_hook = "consume_message" if self._batch is None else "consume_messages"
+        self.hooks.consume_async = inspect.iscoroutinefunction(self._batch or app.consume_message)
 
     async def run(self, batches: AsyncIterator[list[Envelope]]) -> consumer_pb.Checkpoint:
         """Consume every batch, then commit the last transaction; the final Checkpoint.
 
         Raises TransactionFailed, or a BackfillError as it is (it says what to fix).
         """
+        self.hooks.task = asyncio.current_task()
         try:
             return await self._run(batches)
         except (TransactionFailed, BackfillError):
@@ -238,13 +245,17 @@ class TransactionRunner:
         shard, store, publisher = self.shard, self.store, self.publisher
         if self._batch is not None and type(envelopes[0].message) is not BadFrame:
             self._phase = "consume_messages"
-            result = self._batch(shard, store, envelopes, publisher)
-            if inspect.isawaitable(result):
-                await result
+            self.hooks.current = envelopes[0]  # the watchdog's mark: consuming from here
+            try:
+                result = self._batch(shard, store, envelopes, publisher)
+                if inspect.isawaitable(result):
+                    await result
+            finally:
+                self.hooks.current = None
         else:
             self._phase = "consume_message"
             await consume_each(self.app, shard, store, publisher, envelopes,
-                               self._async_consume, self._pass_over_or_fail)
+                               self._async_consume, self._pass_over_or_fail, self.hooks)
         self._phase = "read"
 
     def _pass_over_or_fail(self, env: Envelope, error: Exception) -> None:
@@ -407,6 +418,8 @@ async def run_shard(
     result = ShardResult(shard_plan.shard_id)
     work = Path(tempfile.mkdtemp(prefix=f"backfill-{shard_plan.shard_id}-", dir=scratch))
     recorded = records_to_log(config.store_kind)
+    watchdog = Watchdog(config.transactions.hook_timeout.total_seconds())
+    hooks = HookRecord(shard_plan.shard_id)  # (watched once the store is restored)
     try:
         async with BrokerClient(plan.broker, plan.client_security()) as client:
             shard = _shard(plan, shard_plan, client, app_dir, work / "store")
@@ -419,7 +432,8 @@ async def run_shard(
             try:
                 cp = await store.restore_checkpoint(shard.id)
                 await reappend_ack_intents(shard, cp)  # an SQL store's last ones may be unsent
-                runner, readers = _runner(plan, shard_plan, shard, app, store, cp)
+                hooks = watchdog.watch(shard.id)  # logs a hook running too long, as live
+                runner, readers = _runner(plan, shard_plan, shard, app, store, cp, hooks)
                 consuming = time.monotonic()
                 begins = runner.sequencer.offsets
                 async with reporting(plan.progress_dir, shard.id,
@@ -431,6 +445,7 @@ async def run_shard(
                 result.consume_seconds = time.monotonic() - consuming
                 await shard.appends.flush()
             finally:
+                watchdog.unwatch(hooks)
                 await store.destroy()
                 if fs is not None:
                     await fs.recorder.close()
@@ -474,7 +489,7 @@ async def _by_epoch(readers: list[JournalReader], begins: dict[str, int],
 
 
 def _runner(plan: BackfillPlan, shard_plan: ShardPlan, shard: Shard, app: Application,
-            store: Store, cp: consumer_pb.Checkpoint
+            store: Store, cp: consumer_pb.Checkpoint, hooks: HookRecord
             ) -> tuple[TransactionRunner, list[JournalReader]]:
     """The shard's transaction runner and journal readers, resuming at the checkpoint."""
     spec = shard.spec
@@ -497,7 +512,7 @@ def _runner(plan: BackfillPlan, shard_plan: ShardPlan, shard: Shard, app: Applic
     keep = _own_keys(plan.app_config(), shard_plan, spec)
     return TransactionRunner(shard, app, store, publisher, sequencer, replay,
                              max_duration=max_duration, txn_size=plan.txn_size,
-                             keep=keep), readers
+                             keep=keep, hooks=hooks), readers
 
 
 def run_shard_task(plan: BackfillPlan, index: int, app_dir: str | None = None) -> dict[str, Any]:
