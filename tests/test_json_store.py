@@ -229,6 +229,26 @@ async def test_a_committed_view_reads_the_last_durable_commit(
         durable.resolve(await barrier())
         await op
         assert await viewed() == expected_items(2)
+
+        # A view is one commit throughout: one that becomes durable meanwhile is the next
+        # view's (whether or not this one read before it); a view's changes are its own.
+        for txn, read_first in ((3, True), (4, False)):
+            may_commit = asyncio.Event()
+
+            async def commit(txn: int = txn, may_commit: asyncio.Event = may_commit) -> None:
+                await may_commit.wait()
+                mutate(store, txn)  # (a task made outside the view: the transaction's side)
+                await (await store.start_commit(SHARD, checkpoint_of(txn), []))
+
+            committing = asyncio.ensure_future(commit())
+            async with store.committed_view():  # type: ignore[union-attr]
+                before = dict(items(store.state)) if read_first else None
+                may_commit.set()
+                await committing
+                assert dict(items(store.state)) == expected_items(txn - 1) == (
+                    before or expected_items(txn - 1))
+                items(store.state)["only-this-view"] = [1]
+            assert await viewed() == expected_items(txn)
         await store.destroy()
         await fs.recorder.close()
 

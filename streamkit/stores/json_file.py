@@ -11,9 +11,10 @@ Durability is the recovery log's: the OpFuture `start_commit` returns is a
 recorder barrier, resolved once every op of the commit reached the log.
 
 A committed view (for queries beside the open transaction) reads the document
-of the last durable commit, kept as its bytes and decoded on the first view
-after each commit: `store.state` in a view is that decoded copy, shared by the
-views until the next commit, and must not be changed.
+of the last durable commit when the view began, kept as its bytes: `store.state`
+in a view is that document decoded on the view's first read, the view's own copy
+(a commit meanwhile doesn't change it, and a query changing it changes nothing
+else).
 
 `RecordedStore`, the part this store shares with SQLiteStore, also lives
 here: waiting for a transaction's dependencies before anything is written.
@@ -25,6 +26,7 @@ import contextlib
 import copy
 import json
 from collections.abc import AsyncIterator, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 from google.protobuf import json_format
@@ -39,6 +41,9 @@ from streamkit.stores.store import VIEWING, StoreError, viewing
 __all__ = ["JSONFileStore"]
 
 _UNDECODED = object()
+# The committed view the current task reads in: [the document it pinned, its state once
+# decoded] (one list per view: a query's own copy).
+_VIEW: ContextVar[list[Any] | None] = ContextVar("streamkit_json_view", default=None)
 
 
 class JSONFileStore(RecordedStore):
@@ -63,17 +68,19 @@ class JSONFileStore(RecordedStore):
         self._initial = copy.deepcopy(state)
         self._model: type[BaseModel] | None = type(state) if isinstance(state, BaseModel) else None
         self._durable: bytes | None = None  # the last durable commit's document (None: none)
-        self._durable_state: Any = _UNDECODED  # ... decoded, on a committed view's first read
 
     @property
     def state(self) -> Any:
         """The open transaction's state; in a committed view, the last durable commit's."""
         if VIEWING.get() is not self:
             return self._state
-        if self._durable_state is _UNDECODED:
-            self._durable_state = (copy.deepcopy(self._initial) if self._durable is None
-                                   else self._decode(self._durable, consumer_pb.Checkpoint()))
-        return self._durable_state
+        view = _VIEW.get()
+        assert view is not None  # (set with VIEWING by committed_view)
+        if view[1] is _UNDECODED:
+            document = view[0]
+            view[1] = (copy.deepcopy(self._initial) if document is None
+                       else self._decode(document, consumer_pb.Checkpoint()))
+        return view[1]
 
     @state.setter
     def state(self, value: Any) -> None:
@@ -85,13 +92,17 @@ class JSONFileStore(RecordedStore):
     async def committed_view(self) -> AsyncIterator[None]:  # type: ignore[override]
         """Within it, this task's `state` is the last durable commit's (see the module doc)."""
         self._check_open()
-        with viewing(self):
-            yield
+        pinned = _VIEW.set([self._durable, _UNDECODED])  # [document, its state once read]
+        try:
+            with viewing(self):
+                yield
+        finally:
+            _VIEW.reset(pinned)
 
     async def restore_checkpoint(self, shard_id: str) -> consumer_pb.Checkpoint:
         self._check_open()
         checkpoint = consumer_pb.Checkpoint()
-        self._durable, self._durable_state = None, _UNDECODED
+        self._durable = None
         if not self.fs.exists(self.path):
             self.state = copy.deepcopy(self._initial)  # a shard never committed
             return checkpoint
@@ -132,7 +143,7 @@ class JSONFileStore(RecordedStore):
         self._destroyed = True
 
     def _now_durable(self, document: bytes) -> None:
-        self._durable, self._durable_state = document, _UNDECODED
+        self._durable = document
 
     def _decode(self, document: bytes, checkpoint: consumer_pb.Checkpoint) -> Any:
         """The state of a document; its checkpoint is parsed into `checkpoint`."""
