@@ -55,9 +55,23 @@ class Broken(WordCount):
         super().consume_message(shard, store, envelope, publisher)
 
     async def query(self, shard, store, request):
-        if request.get("word") == "boom":
+        word = request.get("word")
+        if word == "boom":
             raise KeyError("no boom here")  # QUERY
+        if word in _ESCAPES:  # what no query may do: stop the member, or drop the answer
+            raise _ESCAPES[word]()
+        if word == "deep":
+            answer = []
+            for _ in range(100_000):
+                answer = [answer]
+            return answer
         return await super().query(shard, store, request)
+
+
+import asyncio
+
+_ESCAPES = {"exit": SystemExit, "interrupt": KeyboardInterrupt,
+            "cancel": asyncio.CancelledError}
 """
 
 
@@ -140,6 +154,15 @@ async def test_app_errors_fail_their_shard_and_name_the_apps_line(
             assert logged[1] == "Traceback of the application's code (most recent call last):"
             assert logged[2] == (f'  File "{app_py}", line {_line_of(app_py, "QUERY")}, '
                                  "in query"), logged[:6]
+            # Nor does a query raising what ends processes or tasks, or answering too deep.
+            for word, error in (("exit", "SystemExit"), ("interrupt", "KeyboardInterrupt"),
+                                ("cancel", "CancelledError"), ("deep", "nested too deeply")):
+                status, body = await asyncio.to_thread(_ask, endpoint, healthy[0],
+                                                       {"word": word})
+                assert status == 500 and error in body, (word, status, body)
+            assert await asyncio.to_thread(_ask, endpoint, healthy[0], {"word": "w0"}) == (
+                200, "0")
+            assert run.alive, run.log()
 
             # consume_message raises: its shard fails, the log showing the app's frame.
             poisoned = healthy[0]

@@ -144,15 +144,26 @@ async def _answer(replica: Replica, body: dict[str, Any]) -> tuple[int, str]:
         answer = await replica.query(body)
     except QueryError as err:
         return 400, str(err) or type(err).__name__
-    except Exception as err:
-        # With the app's frames (if it raised in its own code): the answer names only the error.
-        log.warning("query of shard %s failed: %s: %s%s", replica.id, type(err).__name__, err,
-                    replica.app_traceback(err))
-        return 500, f"query failed: {type(err).__name__}: {err}"
+    except asyncio.CancelledError as err:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():  # ours (timed out): not the app's doing
+            raise
+        return _query_failed(replica, err)
+    except BaseException as err:  # SystemExit, KeyboardInterrupt too: the member serves on
+        return _query_failed(replica, err)
     try:  # NaN and infinities aren't JSON: clients would choke on them
         return 200, json.dumps(answer, allow_nan=False)
     except (TypeError, ValueError) as err:
         return 500, f"the query's answer is not JSON-serializable: {err}"
+    except RecursionError:
+        return 500, "the query's answer is not JSON-serializable: it is nested too deeply"
+
+
+def _query_failed(replica: Replica, err: BaseException) -> tuple[int, str]:
+    # With the app's frames (if it raised in its own code): the answer names only the error.
+    log.warning("query of shard %s failed: %s: %s%s", replica.id, type(err).__name__, err,
+                replica.app_traceback(err))
+    return 500, f"query failed: {type(err).__name__}: {err}"
 
 
 def _stuck_in(replica: Replica, replicas: Iterable[Replica]) -> str:

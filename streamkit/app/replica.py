@@ -11,6 +11,7 @@ checkpoint says. A primary without a standby phase does all of it at once.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import shutil
 import time
@@ -298,7 +299,7 @@ class Replica:
                       ) -> object:
         with hooks.call("query", asyncio.iscoroutinefunction(self.app.query)):
             answer = self.app.query(self.shard, store, request)
-            if asyncio.iscoroutine(answer):
+            if inspect.isawaitable(answer):  # (asyncio.iscoroutine: generators too, on 3.11)
                 answer = await answer
         return answer
 
