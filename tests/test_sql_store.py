@@ -772,3 +772,34 @@ async def test_an_app_ending_the_transaction_itself_is_refused(new_store, shard)
         with pytest.raises(StoreError, match="the app's code ended the consumer transaction"):
             await store.run(lambda conn, end=end: getattr(conn, end)())
     await store.run(lambda conn: conn.exec_driver_sql("SELECT 1"))  # in a transaction again
+
+
+async def test_a_query_given_up_on_has_its_statement_cancelled(
+        new_store, viewable_url, shard, table):
+    """A view whose query is cancelled mid-statement (it timed out) gives its connection back
+    at once, not when the database finishes the statement; and with every view slot busy
+    on slow statements, the app still has a connection of the pool for its own use."""
+    store = new_store()
+    await store.restore_checkpoint(shard)
+    await (await commit_txn(store, table, 1))
+    slow = ("SELECT pg_sleep(30)" if viewable_url.startswith("postgres") else
+            "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) "
+            "SELECT count(*) FROM c")  # SQLite: counts for ever
+
+    async def query() -> None:
+        async with store.committed_view():  # type: ignore[union-attr]
+            await store.run(lambda conn: conn.exec_driver_sql(slow).all())
+
+    queries = [asyncio.ensure_future(query()) for _ in range(VIEW_CONNECTIONS)]
+    await asyncio.sleep(0.5)
+    assert store._views.count == VIEW_CONNECTIONS
+    with store.engine.connect() as conn:  # the app's own (a table made at start, say)
+        assert conn.exec_driver_sql("SELECT 1").scalar() == 1
+    started = time.monotonic()
+    for task in queries:
+        task.cancel()
+    await asyncio.wait(queries)
+    assert time.monotonic() - started < 5
+    assert store._views.count == 0 and store.engine.pool.checkedout() == 1
+    async with store.committed_view():  # type: ignore[union-attr]
+        assert await store.run(rows_of, table) == [1]

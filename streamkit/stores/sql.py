@@ -31,7 +31,9 @@ on outside the view's snapshot.
 
 A store that makes its own engine (from a URL) has views: it sizes the pool
 for them (the writer's connection, one idle for views, up to VIEW_CONNECTIONS
-while views are open; at most that many are open at once, more wait their turn),
+while views are open; at most that many are open at once, more wait their turn;
+and one more for the app's own use of `store.engine`; a view whose query is given
+up on has its statement cancelled, so it doesn't hold its connection on),
 and puts an SQLite database in WAL mode (it stays so). An engine given to the
 store is the caller's to size and may be shared by stores whose writers views
 must not starve, so it has views only when the caller opts in with `views=N`
@@ -124,7 +126,8 @@ def _create_engine(url: str, views: int) -> sa.Engine:
     """An engine for `url`, failing with one line that says what to install if need be.
 
     Its pool keeps two connections (the writer's, and one for the next committed view)
-    and opens up to `views` - 1 more while views need them.
+    and opens up to `views` more while views need them: one beyond the views' for the
+    app's own use of `store.engine` (a table made at start), which views must not starve.
     """
     if (problem := driver_problem(url)) is not None:
         raise StoreError(f"store.url {problem}")
@@ -134,7 +137,7 @@ def _create_engine(url: str, views: int) -> sa.Engine:
         # pool_pre_ping: a view's pooled connection that the database dropped (restarted)
         # is replaced at checkout, not found dead by a query.
         return sa.create_engine(url, pool_size=2 if views else 1,
-                                max_overflow=max(views - 1, 0), pool_pre_ping=True)
+                                max_overflow=views, pool_pre_ping=True)
     except TypeError:  # a pool without sizes (an in-memory SQLite database's, one per thread)
         return sa.create_engine(url)
 
@@ -193,7 +196,24 @@ class _View:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlstore-view")
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await on_thread(self._thread, fn, *args)
+        try:
+            return await on_thread(self._thread, fn, *args)
+        except asyncio.CancelledError:  # the query was given up on (it timed out, say)
+            self.interrupt()
+            raise
+
+    def interrupt(self) -> None:
+        """Cancel the statement the view's thread runs now, if any: given up on, it would
+        hold the view's connection and slot until the database finished it (a slow query
+        asked a few times over would hold them all). Thread-safe in both drivers."""
+        conn = self.conn
+        if conn is None or conn.closed:
+            return
+        raw = conn.connection.driver_connection
+        cancel = getattr(raw, "cancel", None) or getattr(raw, "interrupt", None)  # pg, sqlite
+        if cancel is not None:
+            with contextlib.suppress(Exception):
+                cancel()
 
     def open(self) -> None:
         """Take a connection and begin the read transaction, its snapshot taken now."""
