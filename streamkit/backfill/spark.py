@@ -185,8 +185,10 @@ def _class_archive(pyspark: str, java: str) -> list[str]:
 
 
 def _quiet_log4j() -> str:
-    """A log4j2 configuration logging Spark's errors only (written once per process)."""
-    path = Path(tempfile.gettempdir(), f"streamkit-backfill-log4j2-{os.getuid()}-v3.properties")
+    """A log4j2 configuration logging Spark's errors only (written once per process), and
+    not those of failed tasks (their executor's and task context's stacks): the command
+    reports a task's failure itself, in one line naming the shard and the app's line."""
+    path = Path(tempfile.gettempdir(), f"streamkit-backfill-log4j2-{os.getuid()}-v4.properties")
     if not path.exists():
         temp = path.with_suffix(f".{os.getpid()}")
         temp.write_text(_LOG4J2)
@@ -204,6 +206,10 @@ appender.console.layout.type = PatternLayout
 appender.console.layout.pattern = spark: %p %c{1}: %m%n
 logger.tasks.name = org.apache.spark.scheduler.TaskSetManager
 logger.tasks.level = off
+logger.executor.name = org.apache.spark.executor.Executor
+logger.executor.level = off
+logger.taskcontext.name = org.apache.spark.TaskContextImpl
+logger.taskcontext.level = off
 logger.repl.name = org.apache.spark.repl.Main
 logger.repl.level = error
 """
