@@ -677,8 +677,26 @@ async def test_a_database_out_of_reach_at_restore_is_one_line(shard) -> None:
         await store.destroy()
     message = str(failed.value)
     assert message.startswith(f"shard {shard}: restoring its checkpoint from the postgresql "
-                              "database failed: "), message
+                              "database none at 127.0.0.1 failed: "), message
     assert "\n" not in message and "refused" in message, message
+    assert store.is_transient(failed.value)  # the server may come back
+
+
+async def test_a_wrong_database_or_user_is_no_outage(postgres_url: str, shard) -> None:
+    """A server refusing the URL's database or user says so at once: waiting won't change
+    it, so it is not transient (the shard was retried for five minutes as if the server
+    were away)."""
+    base = postgres_url.rsplit("/", 1)[0]
+    for url, said in ((f"{base}/nodb", 'database "nodb" does not exist'),
+                      (base.replace("postgres@", "nobody@") + "/streamkit",
+                       'role "nobody" does not exist')):
+        store = SQLStore(url, shard)
+        try:
+            with pytest.raises(StoreError) as failed:
+                await store.restore_checkpoint(shard)
+        finally:
+            await store.destroy()
+        assert said in str(failed.value) and not store.is_transient(failed.value), failed.value
 
 
 async def test_a_destroy_given_up_on_does_not_block_the_loop(tmp_path: Path, shard) -> None:

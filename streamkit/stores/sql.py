@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import shlex
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -378,8 +379,10 @@ class SQLStore(Store):
         try:
             fence, data = await self._call(self._restore_sync)
         except sa.exc.DBAPIError as error:  # the database out of reach, say: one line
+            url = self._engine.url
+            where = f" {url.database}" + (f" at {url.host}" if url.host else "")
             raise StoreError(f"shard {self.shard_fqn}: restoring its checkpoint from the "
-                             f"{self._engine.dialect.name} database failed: "
+                             f"{self._engine.dialect.name} database{where} failed: "
                              f"{' '.join(str(error.orig or error).split())}") from error
         self._fence = fence
         checkpoint = consumer_pb.Checkpoint()
@@ -614,7 +617,15 @@ def _transient_code(error: sa.exc.DBAPIError) -> bool:
         return state.startswith("08") or state in _TRANSIENT_STATES
     if args and isinstance(args[0], int):  # MySQL drivers: (code, message)
         return args[0] in _TRANSIENT_MYSQL
+    if _REFUSED.search(str(orig)):
+        return False  # the server answered: the URL is wrong, not the server away
     return isinstance(error, sa.exc.OperationalError)
+
+
+# What PostgreSQL refuses a connection for that waiting won't change (psycopg2 gives such
+# errors no SQLSTATE): a wrong password, user or database, an address pg_hba.conf refuses.
+_REFUSED = re.compile(r'password authentication failed|(role|database) "[^"]*" does not exist'
+                     r"|no pg_hba\.conf entry|password is required")
 
 
 def _create_table(conn: sa.Connection) -> None:
