@@ -505,9 +505,10 @@ async def stat_cmd(shard: str, read_through: tuple[tuple[str, int], ...], timeou
 
 
 @shards.command("unassign")
-@click.argument("shard_ids", metavar="SHARD...", nargs=-1, required=True)
+@click.argument("shard_ids", metavar="[SHARD...]", nargs=-1)
 @click.option("--only-failed", is_flag=True,
-              help="Only remove FAILED assignments; leave healthy primaries in place.")
+              help="Only remove FAILED assignments; leave healthy primaries in place. "
+                   "Without SHARDs: every shard's.")
 @click.option("--dry-run", is_flag=True, help="Show what would be unassigned; change nothing.")
 @reach_options
 @async_command()
@@ -518,7 +519,12 @@ async def unassign_cmd(shard_ids: tuple[str, ...], only_failed: bool, dry_run: b
 
     FAILED assignments are always removed, the primary too unless --only-failed.
     """
+    if not shard_ids and not only_failed:
+        raise click.UsageError("name the shards to unassign, or give --only-failed to restart "
+                               "every FAILED one")
     async with reached(app_dir, keyspace_url, root, consumer, security) as access:
+        if not shard_ids:
+            shard_ids = tuple(sorted(await _current(access)))
         response = await access.unassign(shard_ids, only_failed=only_failed, dry_run=dry_run)
         if response.status == consumer_pb.SHARD_NOT_FOUND:
             known = await _current(access)
