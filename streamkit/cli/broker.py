@@ -12,6 +12,7 @@ from streamkit.broker.pace import DEFAULT_MIN_APPEND_RATE
 from streamkit.broker.server import DEFAULT_PORT, BrokerConfig, StartupFailed, serve
 from streamkit.cli.errors import DATA_ERROR, CliError, reporting_errors
 from streamkit.cli.logs import configure_logging
+from streamkit.cli.params import Seconds
 from streamkit.cli.security_options import security_options
 from streamkit.keyspace import KeySpaceError
 
@@ -37,7 +38,7 @@ def broker() -> None:
               help="Root of file:/// store URLs [default: DATA_DIR/fragments].")
 @click.option("--keyspace", default=None,
               help="KeySpace URL for journal specs [default: DATA_DIR/keyspace.db].")
-@click.option("--append-timeout", type=click.FloatRange(min=0.1), default=30.0,
+@click.option("--append-timeout", type=Seconds(min=0.1), default=30.0,
               show_default=True,
               help="Seconds an appender may stall mid-append before it is rolled back.")
 @click.option("--min-append-rate", type=click.IntRange(min=0), default=DEFAULT_MIN_APPEND_RATE,

@@ -24,6 +24,7 @@ from streamkit.auth.tokens import Capability
 from streamkit.cli.app_keyspace import app_keyspace
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command, warn
 from streamkit.cli.output import plural
+from streamkit.cli.params import Seconds
 from streamkit.cli.security_options import security_options
 from streamkit.keyspace import open_keyspace
 
@@ -76,7 +77,7 @@ class MemberOutOfReach(CliError):
 @click.option("--keyspace", default=None, envvar="STREAMKIT_KEYSPACE", show_envvar=True,
               help="KeySpace file, sqlite:/// or etcd://host:port/prefix URL "
                    "(default: APP_DIR/.streamkit/keyspace.db).")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0,
+@click.option("--timeout", type=Seconds(min=0, min_open=True), default=10.0,
               show_default=True, metavar="SECONDS",
               help="How long to wait for each shard's answer.")
 @security_options(dials=True)

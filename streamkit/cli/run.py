@@ -54,6 +54,7 @@ from streamkit.broker.data_lock import data_dir_holder
 from streamkit.cli.children import Child, Supervisor, port_in_use, start_child
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command, warn
 from streamkit.cli.logs import configure_logging
+from streamkit.cli.params import Seconds
 from streamkit.cli.security_options import security_env, security_options
 from streamkit.client.environment import BROKER_ENV
 from streamkit.process_limits import raise_open_file_limit
@@ -440,7 +441,7 @@ def _start_worker(index: int, app_dir: Path, broker: str, keyspace_url: str,
 
 
 lease_ttl_option = click.option(
-    "--lease-ttl", type=click.FloatRange(0.5, 600), default=1.0, show_default=True,
+    "--lease-ttl", type=Seconds(0.5, 600), default=1.0, show_default=True,
     metavar="SECONDS",
     help="The member's lease: others take its shards over this long after it stops "
          "answering (etcd rounds it up to whole seconds). Longer rides out slow networks "

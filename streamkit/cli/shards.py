@@ -31,6 +31,7 @@ from streamkit.cli.app_keyspace import app_keyspace
 from streamkit.cli.errors import DATA_ERROR, FAILURE, CliError, async_command, warn
 from streamkit.cli.inputs import read_text_input
 from streamkit.cli.output import echo_json, echo_table, format_labels, plural
+from streamkit.cli.params import Seconds
 from streamkit.cli.security_options import security_options
 from streamkit.cli.shard_access import (
     CONSUMER_ENV,
@@ -465,7 +466,7 @@ def _ago(when: float | None) -> str:
               metavar="JOURNAL=OFFSET",
               help="Wait until the shard has processed this source journal through OFFSET "
                    "(repeatable).")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
+@click.option("--timeout", type=Seconds(min=0, min_open=True), default=30.0,
               show_default=True, help="Seconds to wait for the primary's answer.")
 @click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table",
               show_default=True)

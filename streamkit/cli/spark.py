@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from streamkit.cli.errors import DATA_ERROR, CliError, reporting_errors
+from streamkit.cli.params import Seconds
 from streamkit.process_lock import running
 
 __all__ = ["spark"]
@@ -120,7 +121,7 @@ def status() -> None:
 
 
 @spark.command("stop")
-@click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+@click.option("--timeout", type=Seconds(min=1), default=60.0, show_default=True,
               help="Seconds to wait for the driver to end.")
 def stop(timeout: float) -> None:
     """Stop the driver: its running backfills are cancelled, then Spark stops."""
