@@ -16,6 +16,7 @@ import click
 
 from streamkit.app.config import load_config
 from streamkit.app.layout import deployed_config
+from streamkit.app.loader import app_location
 from streamkit.app.member_http import open_member_url
 from streamkit.app.resolver import Primary, Resolver
 from streamkit.auth.settings import Security
@@ -97,8 +98,10 @@ async def query(app_dir: Path, request: str, key: str | None, shard: str | None,
         raise CliError(f"REQUEST is not JSON: {err}", DATA_ERROR) from None
     if not isinstance(parsed, dict):
         raise CliError("REQUEST must be a JSON object, like '{\"word\": \"hello\"}'", DATA_ERROR)
+    if key is not None and shard is not None:
+        raise click.UsageError("--key and --shard each name the shard to ask: give one")
     config = load_config(app_dir)
-    keyspace = keyspace or app_keyspace(config, app_dir)
+    keyspace = app_keyspace(config, app_dir, keyspace)
     app_class = config.load_application()
     async with open_keyspace(keyspace) as ks:
         config = await deployed_config(config, ks)  # the shards as deployed, not the file's
@@ -135,11 +138,25 @@ async def query(app_dir: Path, request: str, key: str | None, shard: str | None,
             isinstance(r, MemberOutOfReach) for r in results)
         raise CliError(f"no shard answered ({reasons})" + (
             "" if reached else f": is the app running (streamkit run {app_dir})?"))
-    answer = by_shard[shard] if shard is not None else app_class().combine_answers(by_shard)
-    click.echo(json.dumps(answer, indent=None if isinstance(answer, int | float | str)
-                          else 2, default=str, ensure_ascii=False))
+    answer = by_shard[shard] if shard is not None else _combined(app_class, by_shard,
+                                                                      app_dir)
+    try:
+        shown = json.dumps(answer, indent=None if isinstance(answer, int | float | str) else 2,
+                           default=str, ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError) as err:
+        raise CliError(f"the app's combine_answers returned what is not JSON: {err}") from None
+    click.echo(shown)
     if failures:
         for shard_id, reason in failures.items():
             warn(f"shard {shard_id} did not answer: {reason}")
         raise CliError(f"the answer combines {len(by_shard)} of {plural(len(wanted), 'shard')}: "
                        f"{', '.join(failures)} did not answer")
+
+
+def _combined(app_class: type, by_shard: dict[str, Any], app_dir: Path) -> Any:
+    """The app's combine_answers over the shards' answers, its failure named as its own."""
+    try:
+        return app_class().combine_answers(by_shard)
+    except Exception as err:
+        raise CliError(f"the app's combine_answers failed: {type(err).__name__}: {err}"
+                       f"{app_location(err, app_dir)}") from None

@@ -97,7 +97,7 @@ def _locate(app_dir: Path, keyspace_url: str | None, root: str | None) -> tuple[
                            f"in {app_dir} to take it from)", DATA_ERROR)
         config = load_config(app_dir)
         root = root or config.keyspace_root
-        keyspace_url = keyspace_url or app_keyspace(config, app_dir)
+        keyspace_url = app_keyspace(config, app_dir, keyspace_url)
     if not root.startswith("/") or root.rstrip("/") == "":
         raise CliError(f"--root must be an absolute KeySpace path such as "
                        f"/gazette/consumers/NAME (got {root!r})", DATA_ERROR)
