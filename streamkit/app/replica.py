@@ -260,7 +260,8 @@ class Replica:
         Answers reflect committed state only. A store with a committed view
         answers from the last durable commit while a transaction is open (for
         apps with `concurrent_queries`); otherwise a query waits until the open
-        transaction ends and its commit is durable.
+        transaction ends and its commit is durable (and then reads in a view too,
+        where the store has one, so that it can't write).
         """
         loop, store = self.loop, self.store
         if self.status.code != Code.PRIMARY or loop is None or store is None:
@@ -269,7 +270,14 @@ class Replica:
         if view is None:
             async with loop.lock:
                 await loop.wait_committed()
-                return await self._answer(loop.hooks, store, request)
+                # Between transactions the last commit is the store's state, so a view (where
+                # the store has one) reads the same, read-only: a query's write would
+                # otherwise be committed with the next transaction.
+                view = store.committed_view()
+                if view is None:
+                    return await self._answer(loop.hooks, store, request)
+                async with view:
+                    return await self._answer(loop.hooks, store, request)
         # Beside the transaction loop's hooks: a record of its own for the watchdog.
         watchdog = self.runtime.watchdog
         hooks = watchdog.watch(self.id)
