@@ -821,3 +821,17 @@ async def test_a_query_given_up_on_has_its_statement_cancelled(
     assert store._views.count == 0 and store.engine.pool.checkedout() == 1
     async with store.committed_view():  # type: ignore[union-attr]
         assert await store.run(rows_of, table) == [1]
+
+
+async def test_errors_name_statements_not_the_values_bound(new_store, shard) -> None:
+    """A failed statement's error (logged, shown in a shard's status) leaves out the values
+    bound to it: a checkpoint's kilobytes of binary, or the app's data."""
+    store = new_store()
+    await store.restore_checkpoint(shard)
+
+    def insert(conn: sa.Connection) -> None:
+        conn.execute(sa.text("INSERT INTO no_such_table VALUES (:v)"), {"v": "secret-value"})
+
+    with pytest.raises(sa.exc.DBAPIError) as failed:
+        await store.run(insert)
+    assert "no_such_table" in str(failed.value) and "secret-value" not in str(failed.value)

@@ -137,10 +137,12 @@ def _create_engine(url: str, views: int) -> sa.Engine:
     try:
         # pool_pre_ping: a view's pooled connection that the database dropped (restarted)
         # is replaced at checkout, not found dead by a query.
-        return sa.create_engine(url, pool_size=2 if views else 1,
-                                max_overflow=views, pool_pre_ping=True)
+        # hide_parameters: an error names the statement, not the values bound to it (a
+        # checkpoint's kilobytes of binary; the app's data, which logs need not hold).
+        return sa.create_engine(url, pool_size=2 if views else 1, max_overflow=views,
+                                pool_pre_ping=True, hide_parameters=True)
     except TypeError:  # a pool without sizes (an in-memory SQLite database's, one per thread)
-        return sa.create_engine(url)
+        return sa.create_engine(url, hide_parameters=True)
 
 
 def sqlite_file(url: sa.URL) -> str | None:
