@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -785,6 +786,7 @@ async def test_a_store_failing_on_and_on_fails_the_shard(
         replica = service.replicas["shard-000"]
         await eventually(lambda: replica.status.code == Code.FAILED, 20, "a failed shard")
         assert "transaction 1 failed at consume_message" in replica.status.errors[0]
+        assert re.search(r"\(its store's errors went on for \ds\)", replica.status.errors[0])
         assert 100 - SQLCount.drops == 3  # at once, after 1 s and after 2 s
         assert counts() == {}
         await service.stop()

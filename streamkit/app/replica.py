@@ -141,6 +141,7 @@ class Replica:
         self.shard = self._new_shard(spec)
         self._fences: list[float] = []  # monotonic times this replica was fenced
         self._store_errors: list[float] = []  # monotonic times of transient store errors
+        self._gave_up_after: float | None = None  # seconds of them before the shard failed
         self.status = consumer_pb.ReplicaStatus(code=Code.IDLE)
         self.changed = asyncio.Event()  # set on every status change
         self.store: Store | None = None
@@ -338,6 +339,9 @@ class Replica:
                 message = error.reason
             if await self._retried(error, message):
                 return
+            if self._gave_up_after is not None:  # a store out of reach for too long
+                message += f" (its store's errors went on for {self._gave_up_after:.0f}s)"
+                self._gave_up_after = None
             where = trace = ""
             if isinstance(error, TransactionFailed | AppInitFailed):
                 cause = error.__cause__
@@ -365,8 +369,9 @@ class Replica:
             self._store_errors.clear()  # this term committed: the store was back meanwhile
         self._store_errors.append(now)
         if now - self._store_errors[0] >= STORE_RETRY_FOR:
+            self._gave_up_after = now - self._store_errors[0]
             log.error("shard %s: its store's errors went on for %.0fs; giving up", self.id,
-                      now - self._store_errors[0])
+                      self._gave_up_after)
             return False
         pause = min(STORE_RETRY_PAUSE, 2.0 ** (len(self._store_errors) - 1))
         log.warning("shard %s: %s; its store seems out of reach for now: recovering again "

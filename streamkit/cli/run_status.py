@@ -130,13 +130,14 @@ class StatusView:
         states: dict[str, int] = {}
         for row in rows:
             states[row.state] = states.get(row.state, 0) + 1
-        failed = [f"{r.shard}: {r.errors[0]}" for r in rows if r.errors]
+        troubled = [f"{'failed shard' if r.state == 'FAILED' else 'shard'} {r.shard}: "
+                    f"{r.errors[0]}" for r in rows if r.errors]  # (or one retried: BACKFILL)
         counts = ", ".join(f"{n} {state.lower()}" for state, n in sorted(states.items()))
         text = (f"streamkit: {self.config.name}: {counts}; "
                 f"{sum(r.rate for r in rows):,.0f} msgs/s, lag {sum(r.lag for r in rows):,} B")
         if (notice := self.notice()) is not None:
             text += f"; {notice}"
-        return "\n".join([text, *(f"streamkit: failed shard {f}" for f in failed)])
+        return "\n".join([text, *(f"streamkit: {t}" for t in troubled)])
 
     async def _run_live(self) -> None:
         from rich.live import Live
