@@ -194,10 +194,12 @@ def test_unknown_key_and_garbage_are_unauthenticated():
         verify(parse_keys(SECRET), bad_cap, Capability.READ, now=NOW)
     # NaN compares false with every time: such an exp (or nbf) would never expire.
     for times in (b'"exp":NaN', b'"exp":Infinity', b'"exp":1e308', b'"exp":1800000000,"nbf":NaN',
-                  b'"exp":1800000000,"iat":-Infinity'):
+                  b'"exp":1800000000,"iat":-Infinity', b'"exp":-1e308'):
         odd = hand_made_token(b'{"cap":8,' + times + b"}", b"secret")
         with pytest.raises(Unauthenticated, match="must be seconds since 1970"):
             verify(parse_keys(SECRET), odd, Capability.READ, now=NOW)
+    early = hand_made_token(b'{"cap":8,"exp":1800000000,"nbf":-5,"iat":-5}', b"secret")
+    assert verify(parse_keys(SECRET), early, Capability.READ, now=NOW).expiry == 1800000000
 
 
 def test_missing_capability_is_denied_naming_it():

@@ -1039,3 +1039,12 @@ async def test_a_hook_running_too_long_in_a_task_is_named(
         assert "time.sleep(1.5)" in warned[0], warned
     finally:
         await setup.close()
+
+
+def test_tasks_of_a_process_share_its_watchdog() -> None:
+    """A pool's process or a Spark worker runs many tasks: one watchdog (a thread and a
+    pipe) for them all, with each task's limit, not one left open per task."""
+    from streamkit.backfill.task import _watchdog
+
+    first = _watchdog(1.0)
+    assert _watchdog(2.5) is first and first.limit == 2.5

@@ -14,10 +14,9 @@ from streamkit.cli.main import cli
     ["shards", "stat", "shard-000", "--timeout", "inf"],
     ["run", ".", "--lease-ttl", "nan"],
     ["broker", "serve", "--append-timeout", "NaN"],
-    ["spark", "stop", "--timeout", "-inf"],
+    ["spark", "stop", "--timeout", "nan"],
 ])
 def test_seconds_that_are_no_number_are_usage_errors(args: list[str]) -> None:
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2, result.output
-    assert "is not a number of seconds" in result.output or "is not in the range" in (
-        result.output), result.output
+    assert "is not a number of seconds" in result.output, result.output

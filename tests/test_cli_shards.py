@@ -267,6 +267,19 @@ def test_unassign_failed_shard(app: AppConfig) -> None:
     assert refused.exit_code == 2 and "name the shards to unassign" in refused.stderr
 
 
+def test_unassign_only_failed_of_an_app_without_shards(app: AppConfig, tmp_path: Path) -> None:
+    empty = tmp_path / "empty.db"
+
+    async def make() -> None:
+        async with open_keyspace(str(empty)):
+            pass
+
+    asyncio.run(make())
+    result = shards("unassign", "--only-failed", "--app", str(app.app_dir), "--keyspace",
+                    str(empty))
+    assert result.exit_code == 0 and "nothing to unassign (no shards)" in result.stderr
+
+
 def test_hints(app: AppConfig) -> None:
     where = ["--app", str(app.app_dir)]
     empty = json.loads(ok("hints", "shard-000", *where))

@@ -835,3 +835,24 @@ async def test_errors_name_statements_not_the_values_bound(new_store, shard) -> 
     with pytest.raises(sa.exc.DBAPIError) as failed:
         await store.run(insert)
     assert "no_such_table" in str(failed.value) and "secret-value" not in str(failed.value)
+
+
+async def test_a_query_cancelled_after_its_connection_broke_is_cancelled(
+        new_store, viewable_url, shard, table):
+    """Cancelling the statement of a view whose connection was invalidated (dropped by the
+    database, say) raises the cancellation, not SQLAlchemy's reconnect error."""
+    store = new_store()
+    await store.restore_checkpoint(shard)
+    await (await commit_txn(store, table, 1))
+
+    async def query() -> None:
+        async with store.committed_view():  # type: ignore[union-attr]
+            await store.run(lambda conn: conn.invalidate())
+            await store.run(lambda conn: time.sleep(1))
+
+    task = asyncio.ensure_future(query())
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert store._views.count == 0

@@ -250,9 +250,9 @@ def _number(payload: Mapping[str, Any], key: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{key} must be a number of seconds")
     # NaN compares false with every time (a NaN exp would never expire); Gazette's decoder
-    # refuses NaN and Infinity, and times past year 9999 are no times at all.
-    if not 0 <= value <= _MAX_TIME:
-        raise ValueError(f"{key} must be seconds since 1970 before year 10000")
+    # refuses NaN and Infinity, and times beyond year 9999 (either way) are no times at all.
+    if not -_MAX_TIME <= value <= _MAX_TIME:
+        raise ValueError(f"{key} must be seconds since 1970, within 10,000 years of it")
     return float(value)
 
 

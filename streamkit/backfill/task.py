@@ -418,7 +418,7 @@ async def run_shard(
     result = ShardResult(shard_plan.shard_id)
     work = Path(tempfile.mkdtemp(prefix=f"backfill-{shard_plan.shard_id}-", dir=scratch))
     recorded = records_to_log(config.store_kind)
-    watchdog = Watchdog(config.transactions.hook_timeout.total_seconds())
+    watchdog = _watchdog(config.transactions.hook_timeout.total_seconds())
     hooks = HookRecord(shard_plan.shard_id)  # (watched once the store is restored)
     try:
         async with BrokerClient(plan.broker, plan.client_security()) as client:
@@ -513,6 +513,18 @@ def _runner(plan: BackfillPlan, shard_plan: ShardPlan, shard: Shard, app: Applic
     return TransactionRunner(shard, app, store, publisher, sequencer, replay,
                              max_duration=max_duration, txn_size=plan.txn_size,
                              keep=keep, hooks=hooks), readers
+
+
+_WATCHDOG: list[Watchdog] = []  # the process's one (its thread and pipe are kept)
+
+
+def _watchdog(limit: float) -> Watchdog:
+    """The process's watchdog, with `limit`: processes (a pool's, Spark's workers) run many
+    tasks in turn, one at a time, and a watchdog each would leave its pipe open."""
+    if not _WATCHDOG:
+        _WATCHDOG.append(Watchdog(limit))
+    _WATCHDOG[0].limit = limit
+    return _WATCHDOG[0]
 
 
 def run_shard_task(plan: BackfillPlan, index: int, app_dir: str | None = None) -> dict[str, Any]:

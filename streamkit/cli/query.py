@@ -138,17 +138,18 @@ async def query(app_dir: Path, request: str, key: str | None, shard: str | None,
             isinstance(r, MemberOutOfReach) for r in results)
         raise CliError(f"no shard answered ({reasons})" + (
             "" if reached else f": is the app running (streamkit run {app_dir})?"))
+    for shard_id, reason in failures.items():  # (before combining: it may fail for them)
+        warn(f"shard {shard_id} did not answer: {reason}")
     answer = by_shard[shard] if shard is not None else _combined(app_class, by_shard,
                                                                       app_dir)
     try:
         shown = json.dumps(answer, indent=None if isinstance(answer, int | float | str) else 2,
                            default=str, ensure_ascii=False, allow_nan=False)
     except (ValueError, RecursionError) as err:
-        raise CliError(f"the app's combine_answers returned what is not JSON: {err}") from None
+        made = "the app's combine_answers" if shard is None else f"shard {shard}"
+        raise CliError(f"{made} answered what is not JSON: {err}") from None
     click.echo(shown)
     if failures:
-        for shard_id, reason in failures.items():
-            warn(f"shard {shard_id} did not answer: {reason}")
         raise CliError(f"the answer combines {len(by_shard)} of {plural(len(wanted), 'shard')}: "
                        f"{', '.join(failures)} did not answer")
 

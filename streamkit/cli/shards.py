@@ -526,6 +526,9 @@ async def unassign_cmd(shard_ids: tuple[str, ...], only_failed: bool, dry_run: b
     async with reached(app_dir, keyspace_url, root, consumer, security) as access:
         if not shard_ids:
             shard_ids = tuple(sorted(await _current(access)))
+            if not shard_ids:
+                click.echo("nothing to unassign (no shards)", err=True)
+                return
         response = await access.unassign(shard_ids, only_failed=only_failed, dry_run=dry_run)
         if response.status == consumer_pb.SHARD_NOT_FOUND:
             known = await _current(access)

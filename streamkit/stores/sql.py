@@ -126,9 +126,9 @@ def driver_problem(url: str | sa.URL) -> str | None:
 def _create_engine(url: str, views: int) -> sa.Engine:
     """An engine for `url`, failing with one line that says what to install if need be.
 
-    Its pool keeps two connections (the writer's, and one for the next committed view)
-    and opens up to `views` more while views need them: one beyond the views' for the
-    app's own use of `store.engine` (a table made at start), which views must not starve.
+    Its pool keeps two connections (the writer's, and one for the next committed view or
+    the app's own use of `store.engine`, a table made at start) and opens up to `views`
+    more while views need them: views never take the app's last one.
     """
     if (problem := driver_problem(url)) is not None:
         raise StoreError(f"store.url {problem}")
@@ -139,8 +139,8 @@ def _create_engine(url: str, views: int) -> sa.Engine:
         # is replaced at checkout, not found dead by a query.
         # hide_parameters: an error names the statement, not the values bound to it (a
         # checkpoint's kilobytes of binary; the app's data, which logs need not hold).
-        return sa.create_engine(url, pool_size=2 if views else 1, max_overflow=views,
-                                pool_pre_ping=True, hide_parameters=True)
+        return sa.create_engine(url, pool_size=2, max_overflow=views, pool_pre_ping=True,
+                                hide_parameters=True)
     except TypeError:  # a pool without sizes (an in-memory SQLite database's, one per thread)
         return sa.create_engine(url, hide_parameters=True)
 
@@ -196,6 +196,7 @@ class _View:
     def __init__(self, store: SQLStore) -> None:
         self.store = store
         self.conn: sa.Connection | None = None
+        self._raw: Any = None  # the driver's connection under `conn`, to cancel a statement
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlstore-view")
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -209,12 +210,9 @@ class _View:
         """Cancel the statement the view's thread runs now, if any: given up on, it would
         hold the view's connection and slot until the database finished it (a slow query
         asked a few times over would hold them all). Thread-safe in both drivers."""
-        conn = self.conn
-        if conn is None or conn.closed:
-            return
-        raw = conn.connection.driver_connection
+        raw = self._raw  # (taken at open: `conn.connection` may reconnect, or raise)
         cancel = getattr(raw, "cancel", None) or getattr(raw, "interrupt", None)  # pg, sqlite
-        if cancel is not None:
+        if self.conn is not None and cancel is not None:
             with contextlib.suppress(Exception):
                 cancel()
 
@@ -237,6 +235,7 @@ class _View:
             conn.invalidate()  # whatever state it is in, it goes back to no one
             conn.close()
             raise
+        self._raw = conn.connection.driver_connection
         self.conn = conn
 
     def close(self) -> None:
@@ -382,7 +381,8 @@ class SQLStore(Store):
             fence, data = await self._call(self._restore_sync)
         except sa.exc.DBAPIError as error:  # the database out of reach, say: one line
             url = self._engine.url
-            where = f" {url.database}" + (f" at {url.host}" if url.host else "")
+            where = (f" {url.database}" if url.database else "") + (
+                f" at {url.host}" if url.host else "")
             raise StoreError(f"shard {self.shard_fqn}: restoring its checkpoint from the "
                              f"{self._engine.dialect.name} database{where} failed: "
                              f"{' '.join(str(error.orig or error).split())}") from error
