@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
+import shutil
+import signal
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -263,3 +267,47 @@ async def test_appends_whose_outcome_is_unknown_are_kept_apart(tmp_path: Path) -
         said = keep_unknown(await unsettled.unknown(), kept, b"\n")
     assert said.startswith(", and 2 unknown (the broker's answer was lost"), said
     assert (tmp_path / "rest.unknown").read_bytes() == b"line 1\nline 4\n"
+
+
+@pytest.mark.parametrize("from_file", [True, False], ids=["file", "pipe"])
+def test_ctrl_c_accounts_for_what_committed(shared_broker: BrokerProcess, tmp_path: Path,
+                                            from_file: bool) -> None:
+    """Ctrl-C part-way: publishing stops between lines, what was published settles, and the
+    account says how much committed; --unpublished gets the rest (a file's unread input too,
+    a pipe's lines read), so that publishing it finishes the job once. It was left empty,
+    as if everything had committed."""
+    selector, names = make_topic(shared_broker, 2)
+    total = 1_500_000  # seconds of publishing: it is interrupted a second in
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(json_lines([{"n": n, "k": f"k{n % 97}"} for n in range(total)]))
+    rest = tmp_path / "rest.jsonl"
+    args = [*CLI, "--broker", shared_broker.address, "-l", selector, "--key", "k",
+            "--unpublished", str(rest)]
+    with open(source, "rb") as given:
+        proc = subprocess.Popen([*args, *(["-i", str(source)] if from_file else [])],
+                                stdin=subprocess.DEVNULL if from_file else subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        if not from_file:  # a producer writing as the command reads, until it exits
+            feeder = threading.Thread(target=_feed, args=(given, proc.stdin), daemon=True)
+            feeder.start()
+        assert proc.stderr is not None
+        first = proc.stderr.readline()  # "published N messages (R/s)", a second in
+        assert first.startswith(b"published "), first
+        proc.send_signal(signal.SIGINT)
+        err = proc.stderr.read().decode()
+        assert proc.wait(30) == 130, err
+    account = err.strip().splitlines()[-1]
+    assert account.startswith("streamkit: error: interrupted: ") and "committed" in account, err
+    landed = [m["n"] for lines in contents(shared_broker, names).values() for m in lines]
+    kept = [orjson.loads(line)["n"] for line in rest.read_bytes().splitlines()]
+    assert 0 < len(landed) < total and (kept or not from_file), (len(landed), len(kept))
+    if not from_file:  # (a pipe's lines read are kept, if any; it is read no further)
+        assert "the input after them was not read" in account, account
+    assert sorted(landed + kept) == (list(range(total)) if from_file
+                                     else list(range(len(landed) + len(kept)))), account
+
+
+def _feed(source: Any, pipe: Any) -> None:
+    with contextlib.suppress(OSError):  # (the command exited: a broken pipe)
+        shutil.copyfileobj(source, pipe)
+        pipe.close()

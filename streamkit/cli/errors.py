@@ -30,6 +30,7 @@ from streamkit.tasks import left_behind
 __all__ = [
     "DATA_ERROR",
     "FAILURE",
+    "INTERRUPTED",
     "CliError",
     "async_command",
     "warn",
@@ -37,7 +38,7 @@ __all__ = [
 
 FAILURE = 1
 DATA_ERROR = 2  # the user's input (arguments, files, specs) is wrong
-_INTERRUPTED = 130
+INTERRUPTED = 130  # the exit code after Ctrl-C (128 + SIGINT), as shells report it
 _PREFIX = "streamkit: error: "
 
 P = ParamSpec("P")
@@ -155,7 +156,7 @@ def _silence_stdout() -> None:
 
 
 @contextlib.contextmanager
-def reporting_errors(interrupt_exit: int = _INTERRUPTED) -> Iterator[None]:
+def reporting_errors(interrupt_exit: int = INTERRUPTED) -> Iterator[None]:
     """Report any exception escaping the block as "streamkit: error: …" and exit."""
     try:
         yield
@@ -212,7 +213,7 @@ async def _stoppable(coro: Coroutine[Any, Any, None]) -> None:
 
 
 def async_command(
-    *, interrupt_exit: int = _INTERRUPTED
+    *, interrupt_exit: int = INTERRUPTED
 ) -> Callable[[Callable[P, Coroutine[Any, Any, None]]], Callable[P, None]]:
     """Make an async click callback synchronous, under the error policy above.
 

@@ -23,7 +23,12 @@ completes the job, each line once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
+import os
 import shutil
+import signal
+import stat
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -34,7 +39,14 @@ import click
 import orjson
 
 from streamkit.auth.settings import Security
-from streamkit.cli.errors import DATA_ERROR, CliError, async_command, explain, warn
+from streamkit.cli.errors import (
+    DATA_ERROR,
+    INTERRUPTED,
+    CliError,
+    async_command,
+    explain,
+    warn,
+)
 from streamkit.cli.journals import broker_option, opened_input
 from streamkit.cli.output import plural
 from streamkit.cli.security_options import security_options
@@ -139,19 +151,26 @@ async def _progress(tally: Counter[str], started: float) -> None:
 
 
 async def publish_lines(publisher: Publisher, mapping: MappingFunc, source: IO[bytes],
-                        tally: Counter[str], unpublished: IO[bytes] | None = None) -> None:
+                        tally: Counter[str], unpublished: IO[bytes] | None = None,
+                        stop: asyncio.Event | None = None) -> None:
     """Publish each JSON line committed; stop at the first bad line (see the module doc).
 
     An append that fails stops the command too, with an exact account: how many of the
     messages read were committed, and (written to `unpublished`, then the input not read)
-    the lines that were not, in input order, to publish again exactly once."""
+    the lines that were not, in input order, to publish again exactly once. So does
+    `stop` (Ctrl-C): no line is published after it, and what was is settled first."""
     recording = _Recording(mapping)
     unsettled = _Unsettled()
     batches = _line_batches(source)
+    stop = stop or asyncio.Event()
+    file = _regular_file(source)
     number, rest = 0, []
     try:
-        async for lines in batches:
+        while (lines := await _next_batch(batches, stop, file)) is not None:
             for index, line in enumerate(lines):
+                if stop.is_set():
+                    rest = lines[index:]
+                    break
                 number += 1
                 if not line.strip():
                     continue
@@ -177,16 +196,49 @@ async def publish_lines(publisher: Publisher, mapping: MappingFunc, source: IO[b
                 if future.done() and future.exception() is not None:
                     rest = lines[index + 1:]  # a journal's appends failed: later ones would too
                     raise _AppendFailed from future.exception()
+            if stop.is_set():
+                break
         await unsettled.settle()
     except _AppendFailed as failure:
         await _report_failure(failure.__cause__, unsettled, tally, number, rest, batches,
                               unpublished)
+    if stop.is_set():
+        await _report_failure(None, unsettled, tally, number, rest, batches, unpublished,
+                              interrupted=file)
+
+
+async def _next_batch(batches: AsyncIterator[list[bytes]], stop: asyncio.Event,
+                      file: bool) -> list[bytes] | None:
+    """The input's next lines; None at its end, or once `stop` is set while a read of a
+    pipe or terminal waits for input. A `file`'s read is let finish (its lines are kept)."""
+    reading = asyncio.ensure_future(anext(batches, None))
+    if file:
+        return await reading
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((reading, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if reading.done():
+        return reading.result()
+    reading.cancel()
+    return None
+
+
+def _regular_file(source: IO[bytes]) -> bool:
+    try:
+        return stat.S_ISREG(os.fstat(source.fileno()).st_mode)
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return False
 
 
 async def _report_failure(cause: BaseException | None, unsettled: _Unsettled,
                           tally: Counter[str], read: int, rest: list[bytes],
                           batches: AsyncIterator[list[bytes]],
-                          unpublished: IO[bytes] | None) -> None:
+                          unpublished: IO[bytes] | None, *,
+                          interrupted: bool | None = None) -> None:
+    """Raise the account of a failed append (`cause`), or of an interruption: whether the
+    input not read yet can be kept (a file's rest can; a pipe's is left unread)."""
     failed, unknown = await unsettled.failed(), await unsettled.unknown()
     committed = tally.total() - len(failed) - len(unknown)
     maybe = keep_unknown(unknown, unpublished, b"\n")
@@ -199,9 +251,17 @@ async def _report_failure(cause: BaseException | None, unsettled: _Unsettled,
     else:
         for _, line in failed:
             unpublished.write(line + b"\n")
-        await _keep_rest(rest, batches, unpublished)
-        hint = (f"; those, and the input after line {read:,}, are in {unpublished.name}: "
-                "publish it to finish")
+        if interrupted is False:  # a pipe's rest is not read: only the lines read are kept
+            for line in rest:
+                unpublished.write(line + b"\n")
+            hint = (f"; those, and the lines read after line {read:,}, are in "
+                    f"{unpublished.name}; the input after them was not read")
+        else:
+            await _keep_rest(rest, batches, unpublished)
+            hint = (f"; those, and the input after line {read:,}, are in {unpublished.name}: "
+                    "publish it to finish")
+    if interrupted is not None:
+        raise CliError(f"interrupted: {account}{hint}", INTERRUPTED)
     try:
         what = "; ".join(explain(cause)[0]) if cause is not None else "an append failed"
     except Exception:  # not one of the errors explained: its type and message
@@ -265,10 +325,10 @@ async def publish(selector: str, key: str | None, mapping: str | None, input_pat
                 started = time.monotonic()
                 progress = asyncio.create_task(_progress(tally, started))
                 try:
-                    async with AppendService(client) as service:
+                    async with AppendService(client) as service, _stop_on_signals() as stop:
                         reading = True
                         await publish_lines(Publisher(service), mapping_func, source, tally,
-                                            unpublished)
+                                            unpublished, stop)
                 except EmptyPartitions as err:  # every journal was deleted while publishing
                     raise CliError(str(err)) from None
                 finally:
@@ -281,3 +341,24 @@ async def publish(selector: str, key: str | None, mapping: str | None, input_pat
     elapsed = time.monotonic() - started
     click.echo(f"published {plural(count, 'message')} to {plural(len(tally), 'journal')} "
                f"in {elapsed:.1f}s", err=True)
+
+
+@contextlib.asynccontextmanager
+async def _stop_on_signals() -> AsyncIterator[asyncio.Event]:
+    """An event set by Ctrl-C or SIGTERM, so that publishing stops between lines and
+    accounts for what committed; a second signal stops at once (cancels the command)."""
+    loop, task, stop = asyncio.get_running_loop(), asyncio.current_task(), asyncio.Event()
+
+    def stopping() -> None:
+        if stop.is_set() and task is not None:
+            task.cancel()
+        stop.set()
+
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, stopping)
+    try:
+        yield stop
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
