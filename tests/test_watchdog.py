@@ -122,11 +122,16 @@ def _assert_one_warning(seen: _Warnings, hook: str, app: Path) -> None:
     assert f'File "{app / "app.py"}"' in text, text  # the stack reaches into the app's code
 
 
-async def test_sync_hook_past_the_limit_is_named_with_its_stack(
-        tmp_path: Path, warnings: Callable[[Callable[[], None]], _Warnings]) -> None:
-    """A plain finalize_txn blocking the event loop: the watchdog's thread still logs it,
-    once, with the shard, the hook and the app's line it is blocked on."""
-    app = _variant(tmp_path, "BlockingFinalize", BLOCKING_FINALIZE)
+@pytest.mark.parametrize("name, source", [("BlockingFinalize", BLOCKING_FINALIZE),
+                                          ("BlockingAsyncFinalize", BLOCKING_ASYNC_FINALIZE)],
+                         ids=["plain", "async"])
+async def test_a_hook_blocking_the_loop_is_named_with_its_stack(
+        tmp_path: Path, warnings: Callable[[Callable[[], None]], _Warnings], name: str,
+        source: str) -> None:
+    """A finalize_txn blocking the event loop, plain or async (whose coroutine chain would
+    stop at the task: a running coroutine awaits nothing): the watchdog's thread still logs
+    it, once, with the shard, the hook, the limit and the app's line it is blocked on."""
+    app = _variant(tmp_path, name, source)
     async with AppHarness(app) as h:
         h.member.runtime.watchdog.limit = 0.3  # type: ignore[union-attr]
         released = type(h.app("shard-000")).released  # type: ignore[attr-defined]
@@ -135,6 +140,7 @@ async def test_sync_hook_past_the_limit_is_named_with_its_stack(
         await h.wait_idle()
     _assert_one_warning(seen, "finalize_txn", app)
     assert "self.released.wait(60)" in seen.records[0].getMessage()
+    assert "the limit is 0.3s" in seen.records[0].getMessage()
 
 
 async def test_async_hook_that_never_returns_is_named_with_its_stack(
@@ -151,22 +157,6 @@ async def test_async_hook_that_never_returns_is_named_with_its_stack(
         assert await h.query({"word": "a"}, shard="shard-000") == 1
     _assert_one_warning(seen, "consume_message", app)
     assert "await self.released.wait()" in seen.records[0].getMessage()
-
-
-async def test_async_hook_blocking_its_thread_is_named_where_it_blocks(
-        tmp_path: Path, warnings: Callable[[Callable[[], None]], _Warnings]) -> None:
-    """An async finalize_txn making a blocking call: its coroutine chain would stop at the
-    task (a running coroutine awaits nothing), so the thread's stack is logged."""
-    app = _variant(tmp_path, "BlockingAsyncFinalize", BLOCKING_ASYNC_FINALIZE)
-    async with AppHarness(app) as h:
-        h.member.runtime.watchdog.limit = 0.3  # type: ignore[union-attr]
-        released = type(h.app("shard-000")).released  # type: ignore[attr-defined]
-        seen = warnings(released.set)
-        await h.publish(SOURCE, [{"id": 1, "line": "a b"}])
-        await h.wait_idle()
-    _assert_one_warning(seen, "finalize_txn", app)
-    assert "self.released.wait(60)" in seen.records[0].getMessage()
-    assert "the limit is 0.3s" in seen.records[0].getMessage()
 
 
 def _exit_code(run: object, timeout: float = 60.0) -> int:
