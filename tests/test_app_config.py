@@ -775,3 +775,45 @@ async def test_another_keyspaces_deployment_is_refused_the_apps_recovery_logs(
                 assert await read_layout(fresh, config.keyspace_root) is None
             await deploy(config, client, keyspace)
         assert await owners(client) == {ours}
+
+
+async def test_a_broker_without_the_recovery_logs_the_hints_name_is_refused(
+        broker_proc: Any, tmp_path: Path) -> None:
+    """`run --broker` at another broker (a typo, another app's): the KeySpace's hints say the
+    shards recorded state in logs that broker lacks. Deploying there made empty logs, the
+    shards started from nothing and overwrote their hints (back on the right broker they
+    never recovered). It is refused, naming a log and its hinted end, unless adopted."""
+    from streamkit.app.deploy import RecoveryLogMissing
+    from streamkit.app.hints import store_primary_hints
+    from streamkit.app.member import deploy
+    from streamkit.client import BrokerClient
+    from streamkit.client.listing import list_journals
+    from streamkit.keyspace import open_keyspace
+    from streamkit.protocol import pb
+    from streamkit.protocol import recoverylog_pb2 as rpb
+    from tests.brokerproc import BrokerProcess
+    from tests.e2e import copy_wordcount
+
+    app = copy_wordcount(tmp_path / "app", shards=2)
+    config = load_config(app)
+    config = config.for_application(config.load_application())
+    log = config.recovery_log("shard-000")
+    hints = rpb.FSMHints(log=log, live_nodes=[rpb.FnodeSegments(fnode=1, segments=[
+        rpb.Segment(author=7, first_seq_no=1, first_offset=0, last_seq_no=3,
+                    last_offset=4096)])])
+    other = BrokerProcess(tmp_path / "other").start()
+    try:
+        async with open_keyspace(str(tmp_path / "ks.db")) as keyspace:
+            async with BrokerClient(broker_proc.address) as client:
+                await deploy(config, client, keyspace)
+                await store_primary_hints(keyspace, config.shard_specs()[0], hints)
+                await deploy(config, client, keyspace)  # the app's broker: fine
+            async with BrokerClient(other.address) as client:
+                with pytest.raises(RecoveryLogMissing, match=(
+                        rf"recovery log {log} is not on broker .*through offset 4,096\).*"
+                        r"--adopt-recovery-logs")):
+                    await deploy(config, client, keyspace)
+                assert await list_journals(client, pb.LabelSelector()) == []  # none made
+                await deploy(config, client, keyspace, adopt=True)  # lost for good
+    finally:
+        other.kill()

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 
 from streamkit.app.assignment import item_key
 from streamkit.app.config import DEPLOYMENT_LABEL
+from streamkit.app.hints import decode_hints
 from streamkit.client import BrokerClient
 from streamkit.client.listing import apply_journals, list_journals
 from streamkit.errors import StreamkitError
@@ -30,19 +31,22 @@ from streamkit.protocol import consumer_pb, pb
 from streamkit.protocol.labels import label_set
 from streamkit.protocol.spec import JournalSpec
 
-__all__ = ["DeploymentConflict", "check_recovery_logs", "deployment_id", "ensure_journals",
-           "ensure_shard_specs"]
+__all__ = ["DeploymentConflict", "RecoveryLogMissing", "check_recovery_logs", "deployment_id",
+           "ensure_journals", "ensure_shard_specs", "recorded_logs"]
 
 
 async def ensure_journals(client: BrokerClient, specs: Iterable[JournalSpec],
-                          adopt: bool = False, adopt_unlabeled: bool = True) -> int:
+                          adopt: bool = False, adopt_unlabeled: bool = True,
+                          recorded: dict[str, int] | None = None) -> int:
     """Create missing journals and update changed ones, in one Apply; how many changed.
     Lists just these journals, by name: not every journal of the broker.
 
     A retention an operator gave an existing journal (`journals apply`) is kept where the
     spec sets none: streamkit.yaml has no say in it, and each start reset it to none.
     A recovery log of another deployment is a DeploymentConflict, unless `adopt`, and
-    so is one labeled by no deployment, unless `adopt_unlabeled`."""
+    so is one labeled by no deployment, unless `adopt_unlabeled`; so is a log missing here
+    that `recorded` (log -> the end of its content the KeySpace's hints name) says holds
+    a shard's state."""
     protos = [spec.to_proto() for spec in specs]
     if not protos:
         return 0
@@ -50,6 +54,11 @@ async def ensure_journals(client: BrokerClient, specs: Iterable[JournalSpec],
     if not adopt:
         _check_deployment(protos, {name: j.spec for name, j in existing.items()},
                           adopt_unlabeled)
+        names = {proto.name for proto in protos}
+        lost = {log: end for log, end in (recorded or {}).items()
+                if log in names and log not in existing}
+        if lost:
+            raise RecoveryLogMissing(lost, client.address)
     changes = []
     for proto in protos:
         current = existing.get(proto.name)
@@ -110,6 +119,43 @@ class DeploymentConflict(StreamkitError):
             f"copy on a broker of its own; if this KeySpace replaces the lost one that "
             f"deployed it, adopt its logs with `streamkit deploy --adopt-recovery-logs`")
         self.logs = logs
+
+
+class RecoveryLogMissing(StreamkitError):
+    """Recovery logs the KeySpace's hints say hold shards' state are not on this broker."""
+
+    def __init__(self, lost: dict[str, int], broker: str) -> None:
+        (first, end), *_ = sorted(lost.items())
+        more = f" (and {len(lost) - 1} more)" if len(lost) > 1 else ""
+        super().__init__(
+            f"recovery log {first}{more} is not on broker {broker}, but this KeySpace's "
+            f"hints say its shard recorded its state there (through offset {end:,}): is "
+            f"this the app's broker? Its shards would start from an empty state here, and "
+            f"overwrite their hints. If the logs were lost for good, `streamkit deploy "
+            f"--adopt-recovery-logs` makes them anew (the shards then start from nothing)")
+        self.lost = lost
+
+
+async def recorded_logs(keyspace: KeySpace, specs: Iterable[consumer_pb.ShardSpec]
+                        ) -> dict[str, int]:
+    """The shards' recovery logs their hints name content of: log -> the furthest offset any
+    of its hints names (a log without hints, or with empty ones, holds no state yet). One
+    range read per hint prefix (not a read per shard and backup: this runs at each start)."""
+    specs = list(specs)
+    logs = {f"{s.recovery_log_prefix}/{s.id}" for s in specs if s.recovery_log_prefix}
+    recorded: dict[str, int] = {}
+    for prefix in sorted({s.hint_prefix for s in specs if s.recovery_log_prefix}):
+        kvs, _ = await keyspace.range(f"{prefix}/")
+        for kv in kvs:
+            try:
+                hints = decode_hints(kv.value)
+            except Exception:  # (unreadable hints are skipped by recovery too, saying so)
+                continue
+            ends = [seg.last_offset or seg.first_offset for node in hints.live_nodes
+                    for seg in node.segments]
+            if hints.log in logs and ends:
+                recorded[hints.log] = max(recorded.get(hints.log, 0), *ends)
+    return recorded
 
 
 def _key(root: str) -> str:

@@ -40,7 +40,12 @@ from streamkit.app.allocator import Allocator, LeaseLost
 from streamkit.app.application import Application
 from streamkit.app.assignment import Assignment, MemberId
 from streamkit.app.config import AppConfig
-from streamkit.app.deploy import deployment_id, ensure_journals, ensure_shard_specs
+from streamkit.app.deploy import (
+    deployment_id,
+    ensure_journals,
+    ensure_shard_specs,
+    recorded_logs,
+)
 from streamkit.app.layout import Layout, check_layout, write_layout
 from streamkit.app.peer_watch import PeerWatch
 from streamkit.app.replica import STOP_TIMEOUT, Runtime
@@ -76,8 +81,10 @@ async def deploy(config: AppConfig, client: BrokerClient, keyspace: KeySpace,
     """
     deployed_before = await check_layout(config, keyspace) is not None
     deployment = await deployment_id(keyspace, config.keyspace_root)
+    recorded = await recorded_logs(keyspace, config.shard_specs()) if deployed_before else {}
     journals = await ensure_journals(client, config.journal_specs(deployment), adopt,
-                                     adopt_unlabeled=deployed_before)  # (refused: no layout)
+                                     adopt_unlabeled=deployed_before,  # (refused: no layout)
+                                     recorded=recorded)
     if not deployed_before:
         await write_layout(keyspace, config.keyspace_root, Layout(shards=config.shards))
     shards = await ensure_shard_specs(keyspace, config.keyspace_root, config.shard_specs())
