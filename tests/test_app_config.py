@@ -605,6 +605,13 @@ def test_load_application_import_fails(tmp_path: Path) -> None:
     assert "Traceback" not in message
 
 
+def test_load_application_exiting_at_import(tmp_path: Path) -> None:
+    """sys.exit() in the app's module ended every command without a word."""
+    message = load_error(tmp_path, None, "wc_exits:WordCount",
+                         {"wc_exits.py": "import sys\n\nsys.exit(3)\n"})
+    assert message == "importing module 'wc_exits' failed: SystemExit: 3 (at wc_exits.py:3)"
+
+
 def test_load_application_missing_dependency(tmp_path: Path) -> None:
     message = load_error(tmp_path, None, "wc_dep:WordCount",
                          {"wc_dep.py": "import not_installed_anywhere_xyz\n"})

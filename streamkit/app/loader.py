@@ -195,14 +195,14 @@ def _import_from(folder: Path, module_name: str, source: str) -> types.ModuleTyp
         if err.name is not None and (module_name + ".").startswith(err.name + "."):
             raise _error(f"no module {module_name!r} in {folder}", source) from None
         raise _import_failed(module_name, err, folder, source) from None
-    except Exception as err:
+    except (Exception, SystemExit) as err:  # (sys.exit() at import ended the command mute)
         raise _import_failed(module_name, err, folder, source) from None
     _app_modules[top] = folder
     return module
 
 
 def _import_failed(
-    module_name: str, err: Exception, folder: Path, source: str
+    module_name: str, err: BaseException, folder: Path, source: str
 ) -> ApplicationLoadError:
     """The exception's text and the last line of the app's code it went through."""
     text = " ".join(str(err).split())
