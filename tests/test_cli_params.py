@@ -3,6 +3,8 @@ through any bounds)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from click.testing import CliRunner
 
@@ -20,3 +22,24 @@ def test_seconds_that_are_no_number_are_usage_errors(args: list[str]) -> None:
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2, result.output
     assert "is not a number of seconds" in result.output, result.output
+
+
+@pytest.mark.parametrize("args", [
+    ["journals", "read", "a/b", "--offset", "9223372036854775808"],
+    ["journals", "fragments", "a/b", "--from", "99999999999999999999"],
+    ["shards", "stat", "shard-000", "--read-through", "a/b=9223372036854775808"],
+])
+def test_offsets_beyond_64_bits_are_usage_errors(args: list[str]) -> None:
+    """(They reached protobuf, whose "Value out of range" was an unexpected error.)"""
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+
+
+def test_an_offsets_file_beyond_64_bits_is_named(tmp_path: Path) -> None:
+    from streamkit.cli.errors import CliError
+    from streamkit.cli.journal_io import load_offsets
+
+    offsets = tmp_path / "offsets.json"
+    offsets.write_text('{"a/b": 99999999999999999999999}')
+    with pytest.raises(CliError, match="must map journal names to offsets >= -1"):
+        load_offsets(offsets)

@@ -395,3 +395,10 @@ _shards = st.builds(
 @given(st.lists(_shards, max_size=5, unique_by=lambda e: e.spec.id))
 def test_dump_load_round_trip_property(entries: list[ShardEntry]) -> None:
     assert load_shard_entries(dump_shard_specs(entries)) == sorted(entries, key=lambda e: e.spec.id)
+
+
+def test_a_revision_beyond_64_bits_is_named() -> None:
+    """(It reached protobuf, whose "Value out of range" came out as an unexpected error.)"""
+    text = "shards:\n- id: shard-000\n  revision: 9223372036854775808\n"
+    with pytest.raises(SpecError, match=r"revision: must be a 64-bit integer"):
+        load_shard_entries(text, "f.yaml")

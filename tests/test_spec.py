@@ -508,3 +508,9 @@ _ENTRIES = st.builds(
 def test_dump_load_round_trip_property(entries: list[SpecEntry]) -> None:
     loaded = load_specs(dump_specs(entries))
     assert sorted(loaded, key=lambda e: e.spec.name) == sorted(entries, key=lambda e: e.spec.name)
+
+
+def test_a_revision_beyond_64_bits_is_named() -> None:
+    """(It reached protobuf, whose "Value out of range" came out as an unexpected error.)"""
+    with pytest.raises(SpecError, match=r"revision: must be a 64-bit integer"):
+        load_specs("name: a/b\nrevision: 99999999999999999999999\n", "f.yaml")

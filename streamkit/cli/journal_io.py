@@ -39,6 +39,7 @@ from pydantic import BaseModel
 
 from streamkit.cli.errors import DATA_ERROR, CliError, explain, warn
 from streamkit.cli.output import plural
+from streamkit.cli.params import MAX_OFFSET
 from streamkit.cli.unsettled import (
     AppendFailed,
     Unsettled,
@@ -400,9 +401,11 @@ def load_offsets(path: Path | None) -> dict[str, int]:
     except ValueError as err:
         raise CliError(f"offsets file {path} is not JSON: {err}", DATA_ERROR) from None
     if not isinstance(offsets, dict) or not all(
-        isinstance(k, str) and isinstance(v, int) and v >= -1 for k, v in offsets.items()
+        isinstance(k, str) and isinstance(v, int) and -1 <= v <= MAX_OFFSET
+        for k, v in offsets.items()
     ):
-        raise CliError(f"offsets file {path} must map journal names to offsets >= -1", DATA_ERROR)
+        raise CliError(f"offsets file {path} must map journal names to offsets >= -1 "
+                       f"(64-bit)", DATA_ERROR)
     return offsets
 
 

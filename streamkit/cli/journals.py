@@ -28,6 +28,7 @@ from streamkit.cli.journal_fragments import fragment_rows, print_fragments, prun
 from streamkit.cli.journal_io import MAPPINGS, append_lines, append_raw, load_offsets
 from streamkit.cli.journal_io import read_journals as copy_journals
 from streamkit.cli.output import FORMATS, echo_json, echo_table, format_labels, format_size
+from streamkit.cli.params import MAX_OFFSET
 from streamkit.cli.security_options import security_options
 from streamkit.cli.unsettled import opened_output
 from streamkit.client import BrokerClient, list_journals
@@ -88,6 +89,8 @@ class TimeType(click.ParamType):
                 ctx: click.Context | None) -> int:
         text = str(value).strip()
         if text.isdigit():
+            if int(text) > MAX_OFFSET:
+                self.fail(f"{text} seconds is no time", param, ctx)
             return int(text)
         try:
             moment = datetime.fromisoformat(text)
@@ -287,7 +290,7 @@ async def append_cmd(journal: str | None, selector: str | None, input_path: str,
 
 @journals.command("read")
 @targets_option
-@click.option("--offset", type=click.IntRange(min=-1), default=None,
+@click.option("--offset", type=click.IntRange(min=-1, max=MAX_OFFSET), default=None,
               help="Offset to start at [default: 0]; -1 is the write head.")
 @click.option("--tail", is_flag=True, help="Start at the write head (offset -1).")
 @click.option("--block/--no-block", default=False, show_default=True,

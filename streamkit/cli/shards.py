@@ -31,7 +31,7 @@ from streamkit.cli.app_keyspace import app_keyspace
 from streamkit.cli.errors import DATA_ERROR, FAILURE, CliError, async_command, warn
 from streamkit.cli.inputs import read_text_input
 from streamkit.cli.output import echo_json, echo_table, format_labels, plural
-from streamkit.cli.params import Seconds
+from streamkit.cli.params import MAX_OFFSET, Seconds
 from streamkit.cli.security_options import security_options
 from streamkit.cli.shard_access import (
     CONSUMER_ENV,
@@ -411,8 +411,9 @@ class OffsetType(click.ParamType):
         if isinstance(value, tuple):
             return value
         journal, sep, offset = str(value).rpartition("=")
-        if not sep or not journal or not offset.isdigit():
-            self.fail(f"expected JOURNAL=OFFSET with a non-negative offset (got {value!r})",
+        if not sep or not journal or not offset.isdigit() or int(offset) > MAX_OFFSET:
+            self.fail(f"expected JOURNAL=OFFSET with a non-negative 64-bit offset (got "
+                      f"{value!r})",
                       param, ctx)
         return journal, int(offset)
 

@@ -37,7 +37,13 @@ from streamkit.protocol.inheritance import (
 )
 from streamkit.protocol.labels import label_set
 from streamkit.protocol.problems import FieldProblems, Problem, SpecError, yaml_problem
-from streamkit.protocol.spec import Label, SpecModel, journal_name_problem, label_set_problem
+from streamkit.protocol.spec import (
+    INT64,
+    Label,
+    SpecModel,
+    journal_name_problem,
+    label_set_problem,
+)
 from streamkit.yaml_loading import load_yaml
 
 __all__ = [
@@ -415,6 +421,9 @@ class _FileLoader:
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             names = {bool: "true or false", int: "an integer", str: "a string"}
             self.fail(shard, key, f"must be {names[kind]} (got {value!r})")
+            return default
+        if kind is int and not -INT64 <= value < INT64:  # (the protobuf field's range)
+            self.fail(shard, key, f"must be a 64-bit integer (got {value})")
             return default
         return value
 

@@ -44,6 +44,7 @@ from streamkit.protocol.problems import FieldProblems, Problem, SpecError, valid
 __all__ = [
     "CODECS",
     "DEFAULT_FRAGMENT_LENGTH",
+    "INT64",
     "MAX_FRAGMENT_LENGTH",
     "MAX_JOURNAL_NAME_LEN",
     "MAX_REFRESH_INTERVAL",
@@ -63,6 +64,7 @@ __all__ = [
 ]
 
 MAX_REPLICATION = 5
+INT64 = 1 << 63  # protobuf int64 fields (revisions, offsets) hold [-INT64, INT64)
 MIN_FRAGMENT_LENGTH, MAX_FRAGMENT_LENGTH = 1 << 10, 1 << 34
 MIN_REFRESH_INTERVAL, MAX_REFRESH_INTERVAL = timedelta(seconds=1), timedelta(hours=24)
 # A non-zero flush_interval shorter than this is rejected (Gazette's rule).

@@ -25,7 +25,7 @@ from streamkit.protocol.inheritance import (
     shared_settings,
 )
 from streamkit.protocol.problems import Problem, SpecError, yaml_problem
-from streamkit.protocol.spec import JournalSpec
+from streamkit.protocol.spec import INT64, JournalSpec
 from streamkit.yaml_loading import load_yaml
 
 __all__ = ["SpecEntry", "dump_specs", "load_specs"]
@@ -88,6 +88,9 @@ class _TreeLoader:
         value = node.get(key, default)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             self.fail(name, key, f"must be {'true or false' if kind is bool else 'an integer'}")
+            return default
+        if kind is int and not -INT64 <= value < INT64:  # (the protobuf field's range)
+            self.fail(name, key, f"must be a 64-bit integer (got {value})")
             return default
         return value
 
