@@ -43,3 +43,13 @@ def test_an_offsets_file_beyond_64_bits_is_named(tmp_path: Path) -> None:
     offsets.write_text('{"a/b": 99999999999999999999999}')
     with pytest.raises(CliError, match="must map journal names to offsets >= -1"):
         load_offsets(offsets)
+
+
+@pytest.mark.parametrize("args, said", [
+    (["journals", "append", "a/b", "-m", "direct"], "it needs --framing lines"),
+    (["publish", "-l", "topic=x", "--key", ""], "--key names a top-level field"),
+])
+def test_options_that_would_be_ignored_are_usage_errors(args: list[str], said: str) -> None:
+    """(`-m direct` without lines was ignored; `--key ''` mapped at random.)"""
+    result = CliRunner().invoke(cli, args, input="")
+    assert result.exit_code == 2 and said in result.output, result.output

@@ -263,6 +263,8 @@ async def append_cmd(journal: str | None, selector: str | None, input_path: str,
     If an append fails, the error says exactly what was appended: with lines,
     how many of the lines read (by journal, for those short).
     """
+    if framing == "none" and mapping != "random":
+        raise click.UsageError(f"--mapping {mapping} maps lines: it needs --framing lines")
     with opened_input(input_path) as source, opened_output(unpublished_path, source) as unappended:
         appending = False
         try:

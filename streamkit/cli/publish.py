@@ -312,6 +312,8 @@ async def publish(selector: str, key: str | None, mapping: str | None, input_pat
     once everything published has committed. A bad line stops it (exit 2)
     after the lines before it are published.
     """
+    if key is not None and not key.strip():
+        raise click.UsageError("--key names a top-level field of the messages (got '')")
     parsed = parse_selector(selector)
     tally: Counter[str] = Counter()
     with opened_input(input_path) as source, \
