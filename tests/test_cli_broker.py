@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.brokerproc import BrokerProcess
+from tests.brokerproc import BrokerProcess, free_port
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess:
@@ -20,6 +20,14 @@ def test_port_in_use_is_one_clear_line(broker_proc: BrokerProcess, tmp_path: Pat
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     assert f"cannot listen on 127.0.0.1:{broker_proc.port}" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr  # (no gRPC core line)
+    # An HTTP port taken (here: the gRPC one): one line too, not a finalizer's traceback.
+    port = str(free_port())
+    result = _serve("--data-dir", str(tmp_path / "third"), "--port", port, "--http-port", port)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"Error: broker could not start: cannot listen on 127.0.0.1:{port} for HTTP: "
+        "Address already in use"], result.stderr
 
 
 def test_bad_keyspace_url_is_one_clear_line(tmp_path: Path) -> None:

@@ -133,8 +133,9 @@ class Broker:
         )
         pb_grpc.add_JournalServicer_to_server(self.service, self.server)
         try:
+            listen(cfg.host, cfg.port).close()  # taken? (else gRPC's core prints its failure)
             bound = cfg.security.add_port(self.server, f"{cfg.host}:{cfg.port}")
-        except RuntimeError:
+        except (OSError, RuntimeError):
             bound = 0
         if bound == 0:
             raise OSError(f"cannot listen on {cfg.host}:{cfg.port} (is the port in use?)")
@@ -143,6 +144,7 @@ class Broker:
             try:
                 sock = listen(cfg.host, cfg.gateway_port)
             except OSError as err:
+                await self.server.stop(None)  # (else its finalizer complains at exit)
                 raise OSError(f"cannot listen on {cfg.host}:{cfg.gateway_port} for HTTP: "
                               f"{err.strerror}") from None
             self._gateway_sock = sock
