@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -311,3 +312,40 @@ def _feed(source: Any, pipe: Any) -> None:
     with contextlib.suppress(OSError):  # (the command exited: a broken pipe)
         shutil.copyfileobj(source, pipe)
         pipe.close()
+
+
+def test_ctrl_c_of_a_lines_append_accounts_for_what_landed(shared_broker: BrokerProcess,
+                                                           tmp_path: Path) -> None:
+    """`journals append -f lines` from a producer's pipe, Ctrl-C part-way: the same account
+    as publish's, and --unpublished holds the lines read but not appended."""
+    selector, names = make_topic(shared_broker, 2)
+    rest = tmp_path / "rest.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamkit.cli.main", "journals", "append", "-l", selector,
+         "-f", "lines", "-m", "modulo", "--broker", shared_broker.address,
+         "--unpublished", str(rest)],
+        stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+    feeder = threading.Thread(target=_trickle, args=(proc.stdin,), daemon=True)
+    feeder.start()
+    stub = wire.stub(shared_broker.address)
+    deadline = time.monotonic() + 30
+    while sum(wire.read(stub, name)[1][-1].write_head for name in names) == 0:
+        assert time.monotonic() < deadline, "nothing appended"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    assert proc.stderr is not None
+    err = proc.stderr.read().decode()
+    assert proc.wait(30) == 130, err
+    assert err.strip().splitlines()[-1].startswith("streamkit: error: interrupted: "), err
+    landed = [m["n"] for lines in contents(shared_broker, names).values() for m in lines]
+    kept = [orjson.loads(line)["n"] for line in rest.read_bytes().splitlines()]
+    assert landed and sorted(landed + kept) == list(range(len(landed) + len(kept))), err
+
+
+def _trickle(pipe: Any) -> None:
+    """A producer: a thousand lines every 10 ms, until the command stops reading."""
+    with contextlib.suppress(OSError):
+        for start in range(0, 10**6, 1000):
+            pipe.write(json_lines([{"n": n} for n in range(start, start + 1000)]))
+            pipe.flush()
+            time.sleep(0.01)

@@ -37,7 +37,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message as ProtoMessage
 from pydantic import BaseModel
 
-from streamkit.cli.errors import DATA_ERROR, CliError, explain, warn
+from streamkit.cli.errors import DATA_ERROR, INTERRUPTED, CliError, explain, warn
 from streamkit.cli.output import plural
 from streamkit.cli.params import MAX_OFFSET
 from streamkit.cli.unsettled import (
@@ -46,6 +46,8 @@ from streamkit.cli.unsettled import (
     describe,
     keep_unknown,
     outcome_unknown,
+    regular_file,
+    stop_on_signals,
 )
 from streamkit.client import (
     AppendService,
@@ -205,9 +207,12 @@ async def append_lines(
     unsettled = Unsettled()  # a journal's appends commit in order, but journals fail apart
     lines = _lines(source)
     number, rest = 0, []
-    async with AppendService(client) as service:
+    async with AppendService(client) as service, stop_on_signals() as stop:
         try:
             async for line in lines:
+                if stop.is_set():  # Ctrl-C: no line after it, and an account of those before
+                    rest = [line]
+                    break
                 number += 1
                 try:
                     journal, record = mapper(line)
@@ -233,6 +238,9 @@ async def append_lines(
         except AppendFailed as failure:
             await _report_failure(failure.__cause__, unsettled, tallies, number, rest, lines,
                                   unappended)
+        if stop.is_set():
+            await _report_failure(None, unsettled, tallies, number, rest, lines, unappended,
+                                  interrupted=regular_file(source))
     for journal, tally in sorted(tallies.items()):
         click.echo(
             f"appended {plural(tally.lines, 'line')} ({plural(tally.bytes, 'byte')}) to {journal}",
@@ -244,8 +252,10 @@ async def append_lines(
 
 async def _report_failure(cause: BaseException | None, unsettled: Unsettled,
                           tallies: dict[str, _Tally], read: int, rest: list[bytes],
-                          lines: AsyncIterator[bytes], unappended: IO[bytes] | None) -> None:
-    """Raise the CliError of a failed append: what committed, and what to append again."""
+                          lines: AsyncIterator[bytes], unappended: IO[bytes] | None, *,
+                          interrupted: bool | None = None) -> None:
+    """Raise the CliError of a failed append (or of an interruption: whether the input's
+    unread rest can be kept, a file's): what committed, and what to append again."""
     failed, unknown = await unsettled.failed(), await unsettled.unknown()
     short = await unsettled.failed_by_journal()
     total = sum(tally.lines for tally in tallies.values())
@@ -264,10 +274,16 @@ async def _report_failure(cause: BaseException | None, unsettled: Unsettled,
             unappended.write(line)
         for line in rest:
             unappended.write(line)
-        async for line in lines:
-            unappended.write(line)
-        hint = (f"; those, and the input after line {read:,}, are in {unappended.name}: "
-                "append it with the same options to finish")
+        if interrupted is False:  # a pipe's rest is not read
+            hint = (f"; those, and the line read after line {read:,}, are in "
+                    f"{unappended.name}; the input after them was not read")
+        else:
+            async for line in lines:
+                unappended.write(line)
+            hint = (f"; those, and the input after line {read:,}, are in {unappended.name}: "
+                    "append it with the same options to finish")
+    if interrupted is not None:
+        raise CliError(f"interrupted: {account}{hint}", INTERRUPTED)
     raise CliError(f"{describe(cause)}; {account}{hint}")
 
 

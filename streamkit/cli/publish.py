@@ -23,12 +23,7 @@ completes the job, each line once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
-import os
 import shutil
-import signal
-import stat
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -52,7 +47,7 @@ from streamkit.cli.output import plural
 from streamkit.cli.security_options import security_options
 from streamkit.cli.unsettled import AppendFailed as _AppendFailed
 from streamkit.cli.unsettled import Unsettled as _Unsettled
-from streamkit.cli.unsettled import keep_unknown
+from streamkit.cli.unsettled import keep_unknown, regular_file, stop_on_signals
 from streamkit.cli.unsettled import opened_output as _opened_output
 from streamkit.client import AppendService, BrokerClient, PolledList
 from streamkit.message.framing import UnknownFraming, content_type_of, framing_for
@@ -163,7 +158,7 @@ async def publish_lines(publisher: Publisher, mapping: MappingFunc, source: IO[b
     unsettled = _Unsettled()
     batches = _line_batches(source)
     stop = stop or asyncio.Event()
-    file = _regular_file(source)
+    file = regular_file(source)
     number, rest = 0, []
     try:
         while (lines := await _next_batch(batches, stop, file)) is not None:
@@ -223,13 +218,6 @@ async def _next_batch(batches: AsyncIterator[list[bytes]], stop: asyncio.Event,
         return reading.result()
     reading.cancel()
     return None
-
-
-def _regular_file(source: IO[bytes]) -> bool:
-    try:
-        return stat.S_ISREG(os.fstat(source.fileno()).st_mode)
-    except (OSError, ValueError, io.UnsupportedOperation):
-        return False
 
 
 async def _report_failure(cause: BaseException | None, unsettled: _Unsettled,
@@ -327,7 +315,7 @@ async def publish(selector: str, key: str | None, mapping: str | None, input_pat
                 started = time.monotonic()
                 progress = asyncio.create_task(_progress(tally, started))
                 try:
-                    async with AppendService(client) as service, _stop_on_signals() as stop:
+                    async with AppendService(client) as service, stop_on_signals() as stop:
                         reading = True
                         await publish_lines(Publisher(service), mapping_func, source, tally,
                                             unpublished, stop)
@@ -344,23 +332,3 @@ async def publish(selector: str, key: str | None, mapping: str | None, input_pat
     click.echo(f"published {plural(count, 'message')} to {plural(len(tally), 'journal')} "
                f"in {elapsed:.1f}s", err=True)
 
-
-@contextlib.asynccontextmanager
-async def _stop_on_signals() -> AsyncIterator[asyncio.Event]:
-    """An event set by Ctrl-C or SIGTERM, so that publishing stops between lines and
-    accounts for what committed; a second signal stops at once (cancels the command)."""
-    loop, task, stop = asyncio.get_running_loop(), asyncio.current_task(), asyncio.Event()
-
-    def stopping() -> None:
-        if stop.is_set() and task is not None:
-            task.cancel()
-        stop.set()
-
-    signals = (signal.SIGINT, signal.SIGTERM)
-    for sig in signals:
-        loop.add_signal_handler(sig, stopping)
-    try:
-        yield stop
-    finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)

@@ -10,11 +10,14 @@ the job with each line once.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import os
+import signal
+import stat
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -23,7 +26,7 @@ from streamkit.client import BrokerError, OpFuture, TransportError
 from streamkit.errors import StreamkitError
 
 __all__ = ["UNSURE_CODES", "AppendFailed", "Unsettled", "describe", "keep_unknown",
-           "opened_output", "outcome_unknown"]
+           "opened_output", "outcome_unknown", "regular_file", "stop_on_signals"]
 
 
 class Unsettled:
@@ -149,3 +152,32 @@ def opened_output(path: Path | None, source: IO[bytes]) -> Iterator[IO[bytes] | 
         raise CliError(f"--unpublished {path}: {err.strerror or err}", DATA_ERROR) from None
     with output:
         yield output
+
+
+def regular_file(source: IO[bytes]) -> bool:
+    """Whether `source` is a file (not a pipe or terminal): its unread rest can be kept."""
+    try:
+        return stat.S_ISREG(os.fstat(source.fileno()).st_mode)
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return False
+
+
+@contextlib.asynccontextmanager
+async def stop_on_signals() -> AsyncIterator[asyncio.Event]:
+    """An event set by Ctrl-C or SIGTERM, so that a command stops between lines and
+    accounts for what committed; a second signal stops at once (cancels the command)."""
+    loop, task, stop = asyncio.get_running_loop(), asyncio.current_task(), asyncio.Event()
+
+    def stopping() -> None:
+        if stop.is_set() and task is not None:
+            task.cancel()
+        stop.set()
+
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, stopping)
+    try:
+        yield stop
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
