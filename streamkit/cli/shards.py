@@ -483,13 +483,6 @@ async def stat_cmd(shard: str, read_through: tuple[tuple[str, int], ...], timeou
     """
     async with reached(app_dir, keyspace_url, root, consumer, security) as access:
         response, member, endpoint = await _stat(access, shard, dict(read_through), timeout)
-        if read_through:  # the shard ignores offsets of journals it doesn't read (Gazette's)
-            listed = (await _current(access)).get(shard)
-            sources = {source.journal for source in listed.spec.sources} if listed else set()
-            for journal, _ in read_through:
-                if listed is not None and journal not in sources:
-                    warn(f"shard {shard} does not read {journal}: its --read-through offset "
-                         "was not waited for")
     try:
         extension = json.loads(response.extension) if response.extension else {}
     except ValueError:
