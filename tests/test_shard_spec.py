@@ -402,3 +402,7 @@ def test_a_revision_beyond_64_bits_is_named() -> None:
     text = "shards:\n- id: shard-000\n  revision: 9223372036854775808\n"
     with pytest.raises(SpecError, match=r"revision: must be a 64-bit integer"):
         load_shard_entries(text, "f.yaml")
+    text = ("shards:\n- id: shard-000\n  sources:\n  - {journal: a/b, min_offset: "
+            "9223372036854775808}\n")
+    with pytest.raises(SpecError, match=r"min_offset"):
+        load_shard_entries(text, "f.yaml")

@@ -134,8 +134,12 @@ class Broker:
         pb_grpc.add_JournalServicer_to_server(self.service, self.server)
         try:
             listen(cfg.host, cfg.port).close()  # taken? (else gRPC's core prints its failure)
+        except OSError as err:
+            raise OSError(f"cannot listen on {cfg.host}:{cfg.port}: "
+                          f"{err.strerror or err}") from None
+        try:
             bound = cfg.security.add_port(self.server, f"{cfg.host}:{cfg.port}")
-        except (OSError, RuntimeError):
+        except RuntimeError:
             bound = 0
         if bound == 0:
             raise OSError(f"cannot listen on {cfg.host}:{cfg.port} (is the port in use?)")

@@ -26,7 +26,7 @@ import shutil
 import sys
 import tempfile
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -38,6 +38,7 @@ from google.protobuf.message import Message as ProtoMessage
 from pydantic import BaseModel
 
 from streamkit.cli.errors import DATA_ERROR, INTERRUPTED, CliError, explain, warn
+from streamkit.cli.line_input import LineInput
 from streamkit.cli.output import plural
 from streamkit.cli.params import MAX_OFFSET
 from streamkit.cli.unsettled import (
@@ -46,7 +47,6 @@ from streamkit.cli.unsettled import (
     describe,
     keep_unknown,
     outcome_unknown,
-    regular_file,
     stop_on_signals,
 )
 from streamkit.client import (
@@ -72,7 +72,6 @@ __all__ = [
 ]
 
 MAPPINGS = ("random", "modulo", "direct")
-_READ_SIZE = 1 << 16
 _LINE_TYPES = ("application/x-ndjson", "application/jsonl", "text/")
 
 # A line (with its newline) -> (journal, bytes to append).
@@ -169,22 +168,6 @@ def make_mapping(kind: str, journals: list[str]) -> Mapper:
     raise ValueError(f"unknown mapping {kind!r}")
 
 
-async def _lines(source: IO[bytes]) -> AsyncIterator[bytes]:
-    """Lines of `source`, each ending in b"\\n" (one is added to an unterminated last line).
-
-    Reads happen in a thread so the AppendService keeps sending while input trickles in.
-    """
-    read = getattr(source, "read1", source.read)
-    rest = b""
-    while chunk := await asyncio.to_thread(read, _READ_SIZE):
-        lines = (rest + chunk).split(b"\n")
-        rest = lines.pop()
-        for line in lines:
-            yield line + b"\n"
-    if rest:
-        yield rest + b"\n"
-
-
 @dataclass
 class _Tally:
     lines: int = 0
@@ -205,42 +188,48 @@ async def append_lines(
     mapper = make_mapping(mapping, journals)
     tallies: dict[str, _Tally] = {}
     unsettled = Unsettled()  # a journal's appends commit in order, but journals fail apart
-    lines = _lines(source)
+    lines = LineInput(source)
     number, rest = 0, []
     async with AppendService(client) as service, stop_on_signals() as stop:
         try:
-            async for line in lines:
-                if stop.is_set():  # Ctrl-C: no line after it, and an account of those before
-                    rest = [line]
+            while not rest and (batch := await lines.batch(stop)) is not None:
+                for index, bare in enumerate(batch):
+                    if stop.is_set():  # Ctrl-C: no line after it; an account of those before
+                        rest = [line + b"\n" for line in batch[index:]]
+                        break
+                    number += 1
+                    line = bare + b"\n"
+                    try:
+                        journal, record = mapper(line)
+                    except ValueError as err:
+                        # An append that failed before this line is the one reported, and
+                        # this line and the batch's after it are among those to append
+                        # again; otherwise this line is.
+                        rest, number = [b + b"\n" for b in batch[index:]], number - 1
+                        await unsettled.settle()
+                        done = sum(tally.lines for tally in tallies.values())
+                        raise CliError(
+                            f"input line {number + 1}: {err} (stopped there; the "
+                            f"{plural(done, 'line')} before it "
+                            f"{'was' if done == 1 else 'were'} appended)", DATA_ERROR,
+                        ) from None
+                    future = await service.append(journal, record)
+                    unsettled.add(future, number, line, journal)
+                    tally = tallies.setdefault(journal, _Tally())
+                    tally.lines += 1
+                    tally.bytes += len(record)
+                    if future.done() and future.exception() is not None:
+                        rest = [b + b"\n" for b in batch[index + 1:]]
+                        raise AppendFailed from future.exception()  # later ones would fail too
+                if stop.is_set():
                     break
-                number += 1
-                try:
-                    journal, record = mapper(line)
-                except ValueError as err:
-                    # An append that failed before this line is the one reported, and this
-                    # line is among those to append again; otherwise this line is.
-                    rest, number = [line], number - 1
-                    await unsettled.settle()
-                    done = sum(tally.lines for tally in tallies.values())
-                    raise CliError(
-                        f"input line {number + 1}: {err} (stopped there; the "
-                        f"{plural(done, 'line')} before it {'was' if done == 1 else 'were'} "
-                        "appended)", DATA_ERROR,
-                    ) from None
-                future = await service.append(journal, record)
-                unsettled.add(future, number, line, journal)
-                tally = tallies.setdefault(journal, _Tally())
-                tally.lines += 1
-                tally.bytes += len(record)
-                if future.done() and future.exception() is not None:
-                    raise AppendFailed from future.exception()  # later ones would fail too
             await unsettled.settle()
         except AppendFailed as failure:
             await _report_failure(failure.__cause__, unsettled, tallies, number, rest, lines,
                                   unappended)
         if stop.is_set():
             await _report_failure(None, unsettled, tallies, number, rest, lines, unappended,
-                                  interrupted=regular_file(source))
+                                  interrupted=lines.file)
     for journal, tally in sorted(tallies.items()):
         click.echo(
             f"appended {plural(tally.lines, 'line')} ({plural(tally.bytes, 'byte')}) to {journal}",
@@ -252,7 +241,7 @@ async def append_lines(
 
 async def _report_failure(cause: BaseException | None, unsettled: Unsettled,
                           tallies: dict[str, _Tally], read: int, rest: list[bytes],
-                          lines: AsyncIterator[bytes], unappended: IO[bytes] | None, *,
+                          lines: LineInput, unappended: IO[bytes] | None, *,
                           interrupted: bool | None = None) -> None:
     """Raise the CliError of a failed append (or of an interruption: whether the input's
     unread rest can be kept, a file's): what committed, and what to append again."""
@@ -263,8 +252,8 @@ async def _report_failure(cause: BaseException | None, unsettled: Unsettled,
                            f"{tallies[journal].lines:,}"
                            for journal, count in sorted(short.items()))
     account = (f"{total - len(failed) - len(unknown):,} of the {total:,} lines read were "
-               f"appended, {len(failed):,} were not{keep_unknown(unknown, unappended, b'')} "
-               f"(appended {by_journal})")
+               f"appended, {len(failed):,} were not{keep_unknown(unknown, unappended, b'')}"
+               + (f" (appended {by_journal})" if by_journal else ""))
     if unappended is None:
         hint = ("; appending the same input again would append the appended ones twice "
                 "(--unpublished FILE writes the lines not appended, and the rest of the "
@@ -274,12 +263,15 @@ async def _report_failure(cause: BaseException | None, unsettled: Unsettled,
             unappended.write(line)
         for line in rest:
             unappended.write(line)
-        if interrupted is False:  # a pipe's rest is not read
-            hint = (f"; those, and the line read after line {read:,}, are in "
-                    f"{unappended.name}; the input after them was not read")
+        if interrupted is False:  # a pipe is read no further: the lines read are kept
+            buffered, piece = await lines.buffered()
+            for line in buffered:
+                unappended.write(line + b"\n")
+            hint = (f"; those, and the lines read after line {read:,}, are in "
+                    f"{unappended.name}; the input after them was not read"
+                    + (f" ({len(piece):,} bytes of a line begun were)" if piece else ""))
         else:
-            async for line in lines:
-                unappended.write(line)
+            await lines.copy_rest(unappended)
             hint = (f"; those, and the input after line {read:,}, are in {unappended.name}: "
                     "append it with the same options to finish")
     if interrupted is not None:

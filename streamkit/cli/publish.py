@@ -26,7 +26,6 @@ import asyncio
 import shutil
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,11 +42,12 @@ from streamkit.cli.errors import (
     warn,
 )
 from streamkit.cli.journals import broker_option, opened_input
+from streamkit.cli.line_input import LineInput
 from streamkit.cli.output import plural
 from streamkit.cli.security_options import security_options
 from streamkit.cli.unsettled import AppendFailed as _AppendFailed
 from streamkit.cli.unsettled import Unsettled as _Unsettled
-from streamkit.cli.unsettled import keep_unknown, regular_file, stop_on_signals
+from streamkit.cli.unsettled import keep_unknown, stop_on_signals
 from streamkit.cli.unsettled import opened_output as _opened_output
 from streamkit.client import AppendService, BrokerClient, PolledList
 from streamkit.message.framing import UnknownFraming, content_type_of, framing_for
@@ -66,7 +66,6 @@ from streamkit.protocol.labels import parse_selector
 __all__ = ["publish"]
 
 MAPPINGS = ("modulo", "rendezvous", "random")
-_READ_SIZE = 1 << 18
 _PROGRESS_EVERY = 1.0  # seconds
 
 
@@ -95,20 +94,6 @@ def _mapping(kind: str | None, key: str | None, polled: PolledList) -> MappingFu
         raise CliError(f"--mapping {kind} needs --key FIELD to hash", DATA_ERROR)
     build = modulo_mapping if kind == "modulo" else rendezvous_mapping
     return build(field_key(key), partitions)
-
-
-async def _line_batches(source: IO[bytes]) -> AsyncIterator[list[bytes]]:
-    """The input's lines, a read's worth at a time (reads run in a thread)."""
-    read = getattr(source, "read1", source.read)
-    pieces: list[bytes] = []  # a line's start, joined once its end is read: a long line
-    while chunk := await asyncio.to_thread(read, _READ_SIZE):  # is copied once, not per read
-        pieces.append(chunk)
-        if b"\n" in chunk:
-            lines = b"".join(pieces).split(b"\n")
-            pieces = [lines.pop()]
-            yield lines
-    if rest := b"".join(pieces):
-        yield [rest]
 
 
 def _parse(line: bytes) -> dict[str, Any]:
@@ -156,12 +141,11 @@ async def publish_lines(publisher: Publisher, mapping: MappingFunc, source: IO[b
     `stop` (Ctrl-C): no line is published after it, and what was is settled first."""
     recording = _Recording(mapping)
     unsettled = _Unsettled()
-    batches = _line_batches(source)
+    batches = LineInput(source)
     stop = stop or asyncio.Event()
-    file = regular_file(source)
     number, rest = 0, []
     try:
-        while (lines := await _next_batch(batches, stop, file)) is not None:
+        while (lines := await batches.batch(stop)) is not None:
             for index, line in enumerate(lines):
                 if stop.is_set():
                     rest = lines[index:]
@@ -199,31 +183,12 @@ async def publish_lines(publisher: Publisher, mapping: MappingFunc, source: IO[b
                               unpublished)
     if stop.is_set():
         await _report_failure(None, unsettled, tally, number, rest, batches, unpublished,
-                              interrupted=file)
-
-
-async def _next_batch(batches: AsyncIterator[list[bytes]], stop: asyncio.Event,
-                      file: bool) -> list[bytes] | None:
-    """The input's next lines; None at its end, or once `stop` is set while a read of a
-    pipe or terminal waits for input. A `file`'s read is let finish (its lines are kept)."""
-    reading = asyncio.ensure_future(anext(batches, None))
-    if file:
-        return await reading
-    stopped = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait((reading, stopped), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopped.cancel()
-    if reading.done():
-        return reading.result()
-    reading.cancel()
-    return None
+                              interrupted=batches.file)
 
 
 async def _report_failure(cause: BaseException | None, unsettled: _Unsettled,
                           tally: Counter[str], read: int, rest: list[bytes],
-                          batches: AsyncIterator[list[bytes]],
-                          unpublished: IO[bytes] | None, *,
+                          batches: LineInput, unpublished: IO[bytes] | None, *,
                           interrupted: bool | None = None) -> None:
     """Raise the account of a failed append (`cause`), or of an interruption: whether the
     input not read yet can be kept (a file's rest can; a pipe's is left unread)."""
@@ -239,11 +204,13 @@ async def _report_failure(cause: BaseException | None, unsettled: _Unsettled,
     else:
         for _, line in failed:
             unpublished.write(line + b"\n")
-        if interrupted is False:  # a pipe's rest is not read: only the lines read are kept
-            for line in rest:
+        if interrupted is False:  # a pipe is read no further: the lines read are kept
+            buffered, piece = await batches.buffered()
+            for line in [*rest, *buffered]:
                 unpublished.write(line + b"\n")
             hint = (f"; those, and the lines read after line {read:,}, are in "
-                    f"{unpublished.name}; the input after them was not read")
+                    f"{unpublished.name}; the input after them was not read"
+                    + (f" ({len(piece):,} bytes of a line begun were)" if piece else ""))
         else:
             await _keep_rest(rest, batches, unpublished)
             hint = (f"; those, and the input after line {read:,}, are in {unpublished.name}: "
@@ -257,14 +224,11 @@ async def _report_failure(cause: BaseException | None, unsettled: _Unsettled,
     raise CliError(f"{what}; {account}{hint}")
 
 
-async def _keep_rest(rest: list[bytes], batches: AsyncIterator[list[bytes]],
-                     unpublished: IO[bytes]) -> None:
+async def _keep_rest(rest: list[bytes], batches: LineInput, unpublished: IO[bytes]) -> None:
     """Write `rest` (lines read, not published) and then the input not read yet."""
     for line in rest:
         unpublished.write(line + b"\n")
-    async for lines in batches:
-        for line in lines:
-            unpublished.write(line + b"\n")
+    await batches.copy_rest(unpublished)
 
 
 def _keep_all(source: IO[bytes], unpublished: IO[bytes]) -> None:

@@ -15,7 +15,6 @@ import contextlib
 import io
 import os
 import signal
-import stat
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from streamkit.client import BrokerError, OpFuture, TransportError
 from streamkit.errors import StreamkitError
 
 __all__ = ["UNSURE_CODES", "AppendFailed", "Unsettled", "describe", "keep_unknown",
-           "opened_output", "outcome_unknown", "regular_file", "stop_on_signals"]
+           "opened_output", "outcome_unknown", "stop_on_signals"]
 
 
 class Unsettled:
@@ -154,18 +153,12 @@ def opened_output(path: Path | None, source: IO[bytes]) -> Iterator[IO[bytes] | 
         yield output
 
 
-def regular_file(source: IO[bytes]) -> bool:
-    """Whether `source` is a file (not a pipe or terminal): its unread rest can be kept."""
-    try:
-        return stat.S_ISREG(os.fstat(source.fileno()).st_mode)
-    except (OSError, ValueError, io.UnsupportedOperation):
-        return False
-
-
 @contextlib.asynccontextmanager
 async def stop_on_signals() -> AsyncIterator[asyncio.Event]:
     """An event set by Ctrl-C or SIGTERM, so that a command stops between lines and
-    accounts for what committed; a second signal stops at once (cancels the command)."""
+    accounts for what committed; a second signal stops at once (cancels the command).
+    Afterwards the command's own handling is back: Ctrl-C as asyncio.run had it (Python's
+    handler), SIGTERM cancelling the command (`errors._stoppable`'s)."""
     loop, task, stop = asyncio.get_running_loop(), asyncio.current_task(), asyncio.Event()
 
     def stopping() -> None:
@@ -173,11 +166,15 @@ async def stop_on_signals() -> AsyncIterator[asyncio.Event]:
             task.cancel()
         stop.set()
 
-    signals = (signal.SIGINT, signal.SIGTERM)
-    for sig in signals:
+    sigint = signal.getsignal(signal.SIGINT)
+    for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopping)
     try:
         yield stop
     finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
+        loop.remove_signal_handler(signal.SIGINT)
+        signal.signal(signal.SIGINT, sigint)
+        if task is not None:
+            loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        else:
+            loop.remove_signal_handler(signal.SIGTERM)

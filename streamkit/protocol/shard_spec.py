@@ -150,7 +150,7 @@ class ShardSource(SpecModel):
     def _check_offset(cls, offset: int) -> int:
         if offset < 0:
             raise ValueError(f"must not be negative (got {offset})")
-        return offset
+        return _check_range(offset, 0, INT64 - 1)  # (an int64 on the wire)
 
 
 class ShardSpecModel(SpecModel):
