@@ -42,3 +42,33 @@ def test_combine_answers_failing_is_named_as_the_apps(tmp_path: Path) -> None:
     with pytest.raises(CliError, match=r"^the app's combine_answers failed: ValueError: "
                                        r"cannot combine boom$"):
         _combined(Combining, {"shard-000": "boom"}, tmp_path)
+
+
+def test_a_disabled_shard_is_named_so(app: Path) -> None:
+    """A shard its spec disables has no primary whether the app runs or not: said so, not
+    "no primary is serving it … is the app running?"."""
+    import asyncio
+
+    from streamkit.app.config import load_config
+    from streamkit.app.deploy import ensure_shard_specs
+    from streamkit.keyspace import open_keyspace
+
+    config = load_config(app)
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+
+    async def deploy_disabled() -> None:
+        async with open_keyspace(str(config.data_dir / "keyspace.db")) as keyspace:
+            specs = config.shard_specs()
+            specs[0].disable = True
+            await ensure_shard_specs(keyspace, config.keyspace_root, specs)
+
+    asyncio.run(deploy_disabled())
+    result = CliRunner().invoke(cli, ["query", str(app), '{"key": "a"}', "--shard",
+                                      "shard-000"])
+    assert result.exit_code == 1, result.output
+    assert "shard-000: it is disabled (its spec's `disable`)" in result.output, result.output
+    assert "is the app running" not in result.output
+    other = CliRunner().invoke(cli, ["query", str(app), '{"key": "a"}', "--shard",
+                                     "shard-001"])
+    assert "no primary is serving it" in other.output and "is the app running" in (
+        other.output), other.output

@@ -7,6 +7,7 @@ on TLS (an `https://` endpoint) is asked over https, trusting --tls-ca.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import urllib.error
 from pathlib import Path
@@ -28,6 +29,8 @@ from streamkit.cli.output import plural
 from streamkit.cli.params import Seconds
 from streamkit.cli.security_options import security_options
 from streamkit.keyspace import open_keyspace
+from streamkit.keyspace.keyspace import KeySpace
+from streamkit.protocol import consumer_pb
 
 __all__ = ["query"]
 
@@ -118,11 +121,13 @@ async def query(app_dir: Path, request: str, key: str | None, shard: str | None,
                            f"{config.shard_ids()[-1]})", DATA_ERROR)
         wanted = [shard] if shard is not None else config.shard_ids()
         asked = [s for s in wanted if s in primaries]
+        disabled = await _disabled(ks, config.keyspace_root) if len(asked) < len(wanted) else set()
         results = await asyncio.gather(
             *(asyncio.to_thread(_ask, primaries[s], parsed, timeout, security) for s in asked),
             return_exceptions=True)
     by_shard: dict[str, Any] = {}
-    failures = {s: "no primary is serving it" for s in wanted if s not in primaries}
+    failures = {s: ("it is disabled (its spec's `disable`)" if s in disabled
+                    else "no primary is serving it") for s in wanted if s not in primaries}
     for shard_id, result in zip(asked, results, strict=True):
         if isinstance(result, CliError) and result.exit_code != DATA_ERROR:
             failures[shard_id] = str(result).removeprefix(f"shard {shard_id}: ")
@@ -134,7 +139,7 @@ async def query(app_dir: Path, request: str, key: str | None, shard: str | None,
         reasons = "; ".join(f"{s}: {why}" for s, why in failures.items())
         # Asking whether the app runs only helps when a shard was out of reach: an error the
         # app's query hook raised comes from a running app.
-        reached = len(asked) == len(wanted) and not any(
+        reached = all(s in primaries or s in disabled for s in wanted) and not any(
             isinstance(r, MemberOutOfReach) for r in results)
         raise CliError(f"no shard answered ({reasons})" + (
             "" if reached else f": is the app running (streamkit run {app_dir})?"))
@@ -161,3 +166,16 @@ def _combined(app_class: type, by_shard: dict[str, Any], app_dir: Path) -> Any:
     except Exception as err:
         raise CliError(f"the app's combine_answers failed: {type(err).__name__}: {err}"
                        f"{app_location(err, app_dir)}") from None
+
+
+async def _disabled(keyspace: KeySpace, root: str) -> set[str]:
+    """The shards whose specs disable them: no primary serves them, whether the app runs
+    or not (not something for `is the app running?`)."""
+    kvs, _ = await keyspace.range(f"{root}/items/")
+    disabled = set()
+    for kv in kvs:
+        with contextlib.suppress(Exception):  # (an unreadable spec: not known disabled)
+            spec = consumer_pb.ShardSpec.FromString(kv.value)
+            if spec.disable:
+                disabled.add(spec.id)
+    return disabled
