@@ -735,7 +735,7 @@ def sql_counting(postgres_url: str, tmp_path: Path) -> Any:
     admin.dispose()
 
 
-async def _sql_service(client: BrokerClient, tmp_path: Path, factory: Any
+async def _sql_service(client: BrokerClient, tmp_path: Path, factory: Any, root: str = "/test"
                        ) -> tuple[Service, list[str]]:
     from dataclasses import replace
 
@@ -745,7 +745,7 @@ async def _sql_service(client: BrokerClient, tmp_path: Path, factory: Any
     for spec in specs.values():
         spec.recovery_log_prefix = ""  # an SQL store recovers from its database
     runtime = replace(_runtime(SQLCount, client, tmp_path, journals["outputs"]),
-                      store_factory=factory)
+                      store_factory=factory, keyspace_root=root)
     service = Service(runtime)
     await service.assign(specs, {sid: 0 for sid in specs})
     return service, journals["inputs"]
@@ -769,6 +769,56 @@ async def test_a_connection_dropped_mid_transaction_recovers_the_shard(
         assert SQLCount.drops == 0
         assert "its store seems out of reach for now: recovering again in 1s" in caplog.text
         await service.stop()
+
+
+async def test_a_lost_sql_checkpoint_fails_the_shard_rather_than_count_again(
+        shared_broker: Any, tmp_path: Path, sql_counting: Any, postgres_url: str) -> None:
+    """A shard that committed to its database finds no checkpoint row there (its table
+    dropped or emptied, another database named): it fails naming the loss. It took itself
+    for a new shard and counted its history again on top of the app's table. Once the
+    KeySpace's mark is forgotten too, it starts over (counting again: its table kept)."""
+    import uuid
+
+    import sqlalchemy as sa
+
+    from streamkit.app.commit_marks import forget_commits, mark_key
+    from streamkit.stores.sql import CHECKPOINTS
+
+    factory, counts = sql_counting
+    root = f"/lost-{uuid.uuid4().hex[:8]}"
+    lines = ["a b", "b c"] * 5
+    async with BrokerClient(shared_broker.address) as client:
+        service, inputs = await _sql_service(client, tmp_path, factory, root)
+        runtime, keyspace = service.runtime, service.runtime.keyspace
+        specs = {sid: r.shard.spec for sid, r in service.replicas.items()}
+        await _publish_lines(client, inputs, lines)
+        await eventually(lambda: counts() == _expected(lines), 30, "exact counts")
+        mark = mark_key(root, "shard-000")
+        await eventually(lambda: keyspace.get(mark), 10, "the KeySpace's mark of a commit")
+        await service.stop()
+
+        admin = sa.create_engine(postgres_url)
+        with admin.begin() as conn:
+            conn.execute(sa.delete(CHECKPOINTS).where(
+                CHECKPOINTS.c.shard_fqn == f"{root}/items/shard-000"))
+        again = Service(runtime)
+        await again.assign(specs, {sid: 0 for sid in specs})
+        replica = again.replicas["shard-000"]
+        await eventually(lambda: replica.status.code == Code.FAILED, 20, "a failed shard")
+        error = replica.status.errors[0]
+        assert "no checkpoint for it in table streamkit_checkpoints in postgresql:" in error
+        assert "yet it committed there (first at " in error, error
+        assert "streamkit shards forget shard-000" in error
+        await asyncio.sleep(0.5)
+        assert counts() == _expected(lines)  # nothing counted twice
+        await again.stop()
+
+        assert await forget_commits(keyspace, root, ["shard-000", "shard-001"]) == ["shard-000"]
+        afresh = Service(runtime)
+        await afresh.assign(specs, {sid: 0 for sid in specs})
+        await eventually(lambda: counts() == _expected(lines + lines), 30, "counted again")
+        await afresh.stop()
+        admin.dispose()
 
 
 async def test_a_store_failing_on_and_on_fails_the_shard(

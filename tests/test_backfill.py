@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import json
 import logging
@@ -29,12 +30,14 @@ from typing import Any
 
 import pytest
 
+from streamkit.app.commit_marks import CheckpointLost
 from streamkit.app.config import AppConfig, load_config
 from streamkit.app.member import Member, MemberOptions, deploy
 from streamkit.app.txn import TransactionFailed
 from streamkit.backfill.errors import BackfillError
 from streamkit.backfill.plan import BackfillPlan, cover, make_plan
 from streamkit.backfill.source import merge_by_time
+from streamkit.backfill.task import run_shard
 from streamkit.client import (
     BrokerClient,
     append_bytes,
@@ -548,6 +551,13 @@ async def test_wordcount_backfill_with_other_stores(sc: Any, broker_proc: Broker
         finally:
             await member.stop()
         assert totals_of_updates(await read_output(setup, "wordcount/counts")) == expected
+        if store == "sql":  # its checkpoints lost: a backfill must not count again
+            import sqlite3
+
+            with contextlib.closing(sqlite3.connect(tmp_path / "counts.sqlite")) as db, db:
+                db.execute("DELETE FROM streamkit_checkpoints")
+            with pytest.raises(CheckpointLost, match="shards forget shard-000"):
+                await run_shard(await setup.plan(txn_size=100), 0)
     finally:
         await setup.close()
 
@@ -599,7 +609,6 @@ async def test_a_running_app_is_backfilled_while_input_keeps_arriving(
     of the hand-over and failing the backfill (REGISTER_MISMATCH); it now waits for the log
     to be quiet. Counts stay exact."""
     from streamkit.backfill import handover
-    from streamkit.backfill.task import run_shard
 
     took_over = handover._take_over
 
@@ -916,7 +925,6 @@ async def test_poison_is_passed_over_as_a_live_shard_would(broker_proc: BrokerPr
     history fails the backfill, naming the transaction, the hook and the message, or the
     read and the frame. Before, the backfill failed on the first and dropped the second
     silently, whatever the policies said."""
-    from streamkit.backfill.task import run_shard
 
     lines = [{"id": i, "line": "poison pill" if i % 50 == 7 else f"w{i % 13} common"}
              for i in range(400)]
@@ -967,7 +975,6 @@ async def test_a_running_task_reports_how_far_it_has_read(
     journals there while it consumes (what `streamkit backfill` shows every 15 s of a long
     run), and removes its report when done; without the folder it writes nothing."""
     from streamkit.backfill import progress
-    from streamkit.backfill.task import run_shard
 
     monkeypatch.setattr(progress, "INTERVAL", 0.05)
     app = copy_wordcount(tmp_path / "slow")
@@ -1019,7 +1026,6 @@ async def test_a_hook_running_too_long_in_a_task_is_named(
     """A backfill task's hook running past `transactions.hook_timeout` is logged naming the
     shard, the hook and where it is, as a live shard's is (a hung hook would otherwise hang
     the backfill without a word)."""
-    from streamkit.backfill.task import run_shard
 
     app = copy_wordcount(tmp_path / "stuck")
     (app / "app.py").write_text((app / "app.py").read_text() + STUCK)

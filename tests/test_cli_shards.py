@@ -237,6 +237,60 @@ def test_apply_reports_invalid_files(app: AppConfig, tmp_path: Path) -> None:
     assert "shard-bad" not in ok("list", *where)
 
 
+# --- forget --------------------------------------------------------------------------------------
+
+
+def test_forget_lets_sql_shards_start_over(tmp_path: Path, app: AppConfig) -> None:
+    """Deletes the shards' checkpoint rows and commit marks, not other shards'; refuses
+    shards still assigned, unknown shards, and apps whose stores are recorded."""
+    import sqlalchemy as sa
+
+    from streamkit.app.commit_marks import mark_committed, mark_key
+    from streamkit.stores.sql import CHECKPOINTS
+
+    folder = tmp_path / "sql-app"
+    folder.mkdir()
+    (folder / "streamkit.yaml").write_text(
+        yaml.safe_dump(app_document(app_name(), 2, store={"kind": "sql"})))
+    config = load_config(folder)
+    config.data_dir.mkdir()
+    engine = sa.create_engine(config.sql_url())
+    CHECKPOINTS.create(engine)
+    with engine.begin() as conn:
+        for sid in ("shard-000", "shard-001"):
+            conn.execute(sa.insert(CHECKPOINTS).values(
+                shard_fqn=f"{config.keyspace_root}/items/{sid}", fence=3, checkpoint=b"x"))
+
+    async def seed(keyspace: Any, root: str) -> None:
+        await ensure_shard_specs(keyspace, root, config.shard_specs())
+        for sid in ("shard-000", "shard-001"):
+            await mark_committed(keyspace, root, sid, "db")
+
+    keyspace_do(config, seed)
+    where = ["--app", str(folder)]
+    result = shards("forget", "shard-001", *where)
+    assert result.exit_code == 0, result.stderr
+    assert "forgot 1 shard: 1 checkpoint row and 1 KeySpace mark deleted" in result.stderr
+
+    with engine.connect() as conn:
+        left = conn.execute(sa.select(CHECKPOINTS.c.shard_fqn)).scalars().all()
+    assert left == [f"{config.keyspace_root}/items/shard-000"]
+
+    async def marks(keyspace: Any, root: str) -> list[bool]:
+        return [await keyspace.get(mark_key(root, s)) is not None
+                for s in ("shard-000", "shard-001")]
+
+    assert keyspace_do(config, marks) == [True, False]
+    assert "shard not found: shard-009" in fails("forget", "shard-009", *where, code=2)
+    seed_assignments(config)
+    assert "shard-000 still assigned to members: stop the app" in fails(
+        "forget", "shard-000", *where, code=1)
+    assert keyspace_do(config, marks) == [True, False]
+    assert "for apps with the sql store" in fails(
+        "forget", "shard-000", "--app", str(app.app_dir), code=2)
+    engine.dispose()
+
+
 # --- unassign and hints ------------------------------------------------------------------------
 
 

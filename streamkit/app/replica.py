@@ -23,6 +23,7 @@ from typing import Any
 from streamkit.app.application import Application, QueryError
 from streamkit.app.assignment import item_key
 from streamkit.app.checkpoints import producer_states, start_offsets
+from streamkit.app.commit_marks import check_restored, mark_committed
 from streamkit.app.hints import load_hints, push_backup_hints, store_primary_hints
 from streamkit.app.loader import app_folder, app_location, app_traceback
 from streamkit.app.publishing import ShardPublisher
@@ -533,6 +534,9 @@ class Replica:
             with hooks.call("new_store", False):
                 store = self.store = app.new_store(shard, fs)
             cp = await store.restore_checkpoint(shard.id)
+            if store.checkpoint_home is not None and runtime.keyspace is not None:
+                await check_restored(runtime.keyspace, runtime.keyspace_root, shard.id, cp,
+                                     store.checkpoint_home)
             phases.mark("store")
         if standby is None:
             # Shards taking over together (a process's start or restart) start reading
@@ -575,13 +579,17 @@ class Replica:
             ", ".join(f"{j}@{o}" for j, o in sorted(offsets.items())),
             phases,
         )
-        hints_task = asyncio.create_task(self._write_hints(fs))
+        committed = shard.transactions
+        hints_task = asyncio.create_task(
+            self._write_hints(fs) if fs is not None else self._mark_commit(cp, committed))
         try:
             await self.loop.run(self._stopping)
         finally:
             source.close()
             hints_task.cancel()
         await shard.appends.flush()
+        if shard.transactions > committed:
+            await self._mark_commit(cp, committed)
         if fs is not None and runtime.keyspace is not None:
             await store_primary_hints(runtime.keyspace, shard.spec, await fs.recorder.build_hints())
         self._set_status(Code.IDLE)
@@ -613,6 +621,21 @@ class Replica:
                 await store_primary_hints(keyspace, self.shard.spec, await recorder.build_hints())
             except Exception as error:
                 log.warning("shard %s: writing hints failed: %s", self.id, error)
+
+    async def _mark_commit(self, cp: consumer_pb.Checkpoint, committed: int) -> None:
+        """For a store keeping its checkpoint in a database: once it holds one (restored,
+        or a transaction of this term acknowledged), mark in the KeySpace that the shard
+        committed there (`commit_marks`). A failure is logged and tried again next term."""
+        keyspace, store = self.runtime.keyspace, self.store
+        if keyspace is None or store is None or store.checkpoint_home is None:
+            return
+        while not cp.ByteSize() and self.shard.transactions == committed:
+            await asyncio.sleep(_HINT_CHECK)
+        try:
+            await mark_committed(keyspace, self.runtime.keyspace_root, self.id,
+                                 store.checkpoint_home)
+        except Exception as error:
+            log.warning("shard %s: marking its commits in the KeySpace failed: %s", self.id, error)
 
     async def _release(self) -> None:
         """Close what the replica holds; its working directory is disposable."""

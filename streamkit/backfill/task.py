@@ -50,6 +50,7 @@ from typing import Any
 
 from streamkit.app.application import Application, batch_hook
 from streamkit.app.checkpoints import build_checkpoint, producer_states, start_offsets
+from streamkit.app.commit_marks import check_restored, mark_committed
 from streamkit.app.config import AppConfig
 from streamkit.app.gc_tuning import tune_for_throughput
 from streamkit.app.loader import app_location, app_traceback, forget_app_modules
@@ -74,6 +75,7 @@ from streamkit.backfill.source import JournalReader, merge_by_time
 from streamkit.client import BrokerClient
 from streamkit.errors import StreamkitError
 from streamkit.keyspace import open_keyspace
+from streamkit.keyspace.keyspace import KeySpace
 from streamkit.message.message import Envelope
 from streamkit.message.publisher import Publisher
 from streamkit.message.sequencer import QueueOutcome, Sequencer
@@ -431,6 +433,10 @@ async def run_shard(
             store = app.new_store(shard, fs)
             try:
                 cp = await store.restore_checkpoint(shard.id)
+                if store.checkpoint_home is not None:  # an SQL store: was it lost?
+                    async with _keyspace(plan) as keyspace:
+                        await check_restored(keyspace, config.keyspace_root, shard.id, cp,
+                                             store.checkpoint_home)
                 await reappend_ack_intents(shard, cp)  # an SQL store's last ones may be unsent
                 hooks = watchdog.watch(shard.id)  # logs a hook running too long, as live
                 runner, readers = _runner(plan, shard_plan, shard, app, store, cp, hooks)
@@ -444,6 +450,10 @@ async def run_shard(
                     final = await runner.run(_by_epoch(readers, begins, shard_plan.epochs))
                 result.consume_seconds = time.monotonic() - consuming
                 await shard.appends.flush()
+                if store.checkpoint_home is not None and runner.transactions:
+                    async with _keyspace(plan) as keyspace:
+                        await mark_committed(keyspace, config.keyspace_root, shard.id,
+                                             store.checkpoint_home)
             finally:
                 watchdog.unwatch(hooks)
                 await store.destroy()
@@ -455,12 +465,9 @@ async def run_shard(
             result.bytes_via_broker = sum(r.bytes_via_broker for r in readers)
             handing = time.monotonic()
             if recorded:
-                keyspace = open_keyspace(plan.keyspace)
-                try:
+                async with _keyspace(plan) as keyspace:
                     done = await hand_over(client, keyspace, shard.spec, work / "store",
                                            work / "log")
-                finally:
-                    await keyspace.close()
                 result.files, result.state_bytes = done.files, done.bytes
             acks = [shard.appends.append_nowait(j, data) for j, data in final.ack_intents.items()]
             for ack in acks:
@@ -516,6 +523,15 @@ def _runner(plan: BackfillPlan, shard_plan: ShardPlan, shard: Shard, app: Applic
 
 
 _WATCHDOG: list[Watchdog] = []  # the process's one (its thread and pipe are kept)
+
+
+@contextlib.asynccontextmanager
+async def _keyspace(plan: BackfillPlan) -> AsyncIterator[KeySpace]:
+    keyspace = open_keyspace(plan.keyspace)
+    try:
+        yield keyspace
+    finally:
+        await keyspace.close()
 
 
 def _watchdog(limit: float) -> Watchdog:

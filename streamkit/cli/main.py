@@ -31,11 +31,14 @@ def _attr(spec: str) -> Loader:
 
 
 def _shards() -> click.Command:
+    from streamkit.cli.shard_forget import forget_cmd
     from streamkit.cli.shard_prune import prune_cmd
     from streamkit.cli.shards import shards
 
-    if "prune" not in shards.commands:  # defined apart: it needs the broker as well as the KeySpace
-        shards.add_command(prune_cmd)
+    # Defined apart: prune needs the broker as well as the KeySpace, forget the app's database.
+    for command in (prune_cmd, forget_cmd):
+        if command.name not in shards.commands:
+            shards.add_command(command)
     return shards
 
 

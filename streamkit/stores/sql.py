@@ -300,6 +300,8 @@ class SQLStore(Store):
             self._engine = engine
         self._view_count = views
         self.shard_fqn = shard_fqn
+        self.checkpoint_home = (f"table {CHECKPOINTS.name} in "
+                                f"{self._engine.url.render_as_string(hide_password=True)}")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlstore")
         self._conn: sa.Connection | None = None
         self._fence: int | None = None

@@ -100,6 +100,12 @@ class Store(ABC):
 
     _commit_op: OpFuture | None = None
 
+    checkpoint_home: str | None = None
+    """Where the store keeps its checkpoint outside the shard's recovery log (a database,
+    named for people), or None. For such a store the runtime records in the KeySpace that
+    the shard committed there (`app.commit_marks`): a restore finding nothing is then
+    known to have lost its checkpoint, not taken for a new shard's."""
+
     def _new_commit_op(self, shard_id: str, restored: bool) -> OpFuture:
         """The OpFuture of a new commit, after checking the runtime's contract:
         restore before commit, and one commit at a time."""
