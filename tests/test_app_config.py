@@ -791,7 +791,7 @@ async def test_a_broker_without_the_recovery_logs_the_hints_name_is_refused(
     shards started from nothing and overwrote their hints (back on the right broker they
     never recovered). It is refused, naming a log and its hinted end, unless adopted."""
     from streamkit.app.deploy import RecoveryLogMissing
-    from streamkit.app.hints import store_primary_hints
+    from streamkit.app.hints import load_hints, store_primary_hints
     from streamkit.app.member import deploy
     from streamkit.client import BrokerClient
     from streamkit.client.listing import list_journals
@@ -815,6 +815,8 @@ async def test_a_broker_without_the_recovery_logs_the_hints_name_is_refused(
                 await deploy(config, client, keyspace)
                 await store_primary_hints(keyspace, config.shard_specs()[0], hints)
                 await deploy(config, client, keyspace)  # the app's broker: fine
+                await deploy(config, client, keyspace, adopt=True)  # nothing lost
+                assert await load_hints(keyspace, config.shard_specs()[0]) == [hints]
             async with BrokerClient(other.address) as client:
                 with pytest.raises(RecoveryLogMissing, match=(
                         rf"recovery log {log} is not on broker .*through offset 4,096\).*"
@@ -822,5 +824,7 @@ async def test_a_broker_without_the_recovery_logs_the_hints_name_is_refused(
                     await deploy(config, client, keyspace)
                 assert await list_journals(client, pb.LabelSelector()) == []  # none made
                 await deploy(config, client, keyspace, adopt=True)  # lost for good
+                # The shard starts from an empty state: its hints name what the log lacks.
+                assert await load_hints(keyspace, config.shard_specs()[0]) == []
     finally:
         other.kill()

@@ -318,6 +318,36 @@ async def test_a_primary_writes_hints_once_its_log_grew(shared_broker: Any,
         await service.stop()
 
 
+async def test_hints_a_log_falls_short_of_fail_the_shard(shared_broker: Any,
+                                                         tmp_path: Path) -> None:
+    """The KeySpace's hints name more of the recovery log than the broker has (a lost log
+    made anew, another broker's): the shard fails naming it. Once every hint had failed,
+    it played the log whole, recovered an older state (here: none) and overwrote its
+    hints with that."""
+    from streamkit.app.hints import primary_key, push_backup_hints, store_primary_hints
+    from streamkit.protocol import recoverylog_pb2 as rpb
+
+    async with BrokerClient(shared_broker.address) as client:
+        base = unique_name("app")
+        journals = await _journals(client, base, 1)
+        specs = _specs(base, journals["inputs"])
+        runtime = _runtime(WordCount, client, tmp_path, journals["outputs"])
+        assert runtime.keyspace is not None
+        hints = rpb.FSMHints(log=f"{base}/recovery/shard-000", live_nodes=[rpb.FnodeSegments(
+            fnode=1, segments=[rpb.Segment(author=7, first_seq_no=1, first_offset=0,
+                                           last_seq_no=3, last_offset=4096)])])
+        await store_primary_hints(runtime.keyspace, specs["shard-000"], hints)
+        await push_backup_hints(runtime.keyspace, specs["shard-000"], hints)
+        service = Service(runtime)
+        await service.assign(specs, {sid: 0 for sid in specs})
+        replica = service.replicas["shard-000"]
+        await eventually(lambda: replica.status.code == Code.FAILED, 20, "a failed shard")
+        assert "write head is before hinted" in replica.status.errors[0]
+        kv = await runtime.keyspace.get(primary_key(specs["shard-000"]))
+        assert kv is not None and b"4096" in kv.value  # the hints are kept
+        await service.stop()
+
+
 async def test_fenced_primary_recovers_again(shared_broker: Any, tmp_path: Path) -> None:
     """Another author takes the recovery log over (as a backfill's hand-over does): the
     primary's next commit fails, it recovers again from the log, and counts stay exact."""

@@ -26,13 +26,13 @@ from streamkit.app.hints import decode_hints
 from streamkit.client import BrokerClient
 from streamkit.client.listing import apply_journals, list_journals
 from streamkit.errors import StreamkitError
-from streamkit.keyspace.keyspace import Compare, KeySpace, Put
+from streamkit.keyspace.keyspace import Compare, DeletePrefix, KeySpace, Put
 from streamkit.protocol import consumer_pb, pb
 from streamkit.protocol.labels import label_set
 from streamkit.protocol.spec import JournalSpec
 
 __all__ = ["DeploymentConflict", "RecoveryLogMissing", "check_recovery_logs", "deployment_id",
-           "ensure_journals", "ensure_shard_specs", "recorded_logs"]
+           "ensure_journals", "ensure_shard_specs", "forget_lost_logs", "recorded_logs"]
 
 
 async def ensure_journals(client: BrokerClient, specs: Iterable[JournalSpec],
@@ -134,6 +134,22 @@ class RecoveryLogMissing(StreamkitError):
             f"overwrite their hints. If the logs were lost for good, `streamkit deploy "
             f"--adopt-recovery-logs` makes them anew (the shards then start from nothing)")
         self.lost = lost
+
+
+async def forget_lost_logs(client: BrokerClient, keyspace: KeySpace,
+                           specs: Iterable[consumer_pb.ShardSpec], recorded: dict[str, int]
+                           ) -> list[str]:
+    """Delete the hints of shards whose recorded logs (`recorded_logs`) the broker lacks;
+    those logs, sorted. For an adopting deploy: the logs are made anew, and their shards
+    start from an empty state (recovery refuses hints a log falls short of)."""
+    if not recorded:
+        return []
+    existing = await _listed(client, [pb.JournalSpec(name=log) for log in recorded])
+    lost = sorted(set(recorded) - set(existing))
+    for spec in specs:
+        if spec.recovery_log_prefix and f"{spec.recovery_log_prefix}/{spec.id}" in lost:
+            await keyspace.txn((), (DeletePrefix(f"{spec.hint_prefix}/{spec.id}."),))
+    return lost
 
 
 async def recorded_logs(keyspace: KeySpace, specs: Iterable[consumer_pb.ShardSpec]

@@ -44,6 +44,7 @@ from streamkit.app.deploy import (
     deployment_id,
     ensure_journals,
     ensure_shard_specs,
+    forget_lost_logs,
     recorded_logs,
 )
 from streamkit.app.layout import Layout, check_layout, write_layout
@@ -82,6 +83,11 @@ async def deploy(config: AppConfig, client: BrokerClient, keyspace: KeySpace,
     deployed_before = await check_layout(config, keyspace) is not None
     deployment = await deployment_id(keyspace, config.keyspace_root)
     recorded = await recorded_logs(keyspace, config.shard_specs()) if deployed_before else {}
+    if adopt and (lost := await forget_lost_logs(client, keyspace, config.shard_specs(),
+                                                 recorded)):
+        log.warning("app %s: recovery log %s%s lost, made anew: its shard starts from an "
+                    "empty state (its hints deleted)", config.name, lost[0],
+                    f" (and {len(lost) - 1} more)" if len(lost) > 1 else "")
     journals = await ensure_journals(client, config.journal_specs(deployment), adopt,
                                      adopt_unlabeled=deployed_before,  # (refused: no layout)
                                      recorded=recorded)

@@ -461,14 +461,17 @@ class Replica:
             await first_of([self._stopping.wait()], LOG_QUIET / 8)
 
     async def _hint_candidates(self) -> list[rpb.FSMHints | None]:
-        """Hints to recover from, best first: primary, backups, then the whole log."""
+        """Hints to recover from, best first: primary, backups; the whole log (None) only
+        when there are none. When every hint fails, the log doesn't hold what they say it
+        does (shorter than they are: a lost log made anew, another broker's): playing it
+        whole would recover some older state, or none, and overwrite the hints with it."""
         shard, keyspace = self.shard, self.runtime.keyspace
         candidates: list[rpb.FSMHints | None] = []
         if keyspace is not None:
             candidates.extend(
                 h for h in await load_hints(keyspace, shard.spec) if h.log == shard.recovery_log
             )
-        return [*candidates, None]
+        return candidates or [None]
 
     def _playback_of(self, hints: rpb.FSMHints | None) -> Playback:
         self.shard.hints = hints
@@ -479,28 +482,27 @@ class Replica:
         """Finish playback (a standby's, else a new one) and become the log's author.
 
         Hints that fail to play back (a log pruned or damaged since) are
-        skipped for the next candidate, down to reading the whole log.
+        skipped for the next candidate; when none is left, the shard fails.
         """
         candidates = await self._hint_candidates()
         playback = self._playback
         if playback is None or playback.failed() is not None:
             playback = self._playback_of(candidates[0])
+        # Those after the hints playing (a standby's may be gone from the KeySpace since).
+        # Taken in turn, not looked up again: the primary's and a backup's may be equal.
+        rest = (candidates[candidates.index(self.shard.hints) + 1:]
+                if self.shard.hints in candidates else [])
         while True:
             self._playback = playback
             try:
                 return await playback.take_over()
             except (RecoveryLogError, FSMError) as error:
-                rest = (
-                    candidates[candidates.index(self.shard.hints) + 1 :]
-                    if self.shard.hints in candidates
-                    else []
-                )
                 if not rest:
                     raise
                 log.warning(
                     "shard %s: playback from hints failed (%s); trying older hints", self.id, error
                 )
-                playback = self._playback_of(rest[0])
+                playback = self._playback_of(rest.pop(0))
 
     async def _standby(self) -> None:
         if not self.shard.recovery_log:
