@@ -40,7 +40,6 @@ from pydantic import BaseModel
 from streamkit.cli.errors import DATA_ERROR, INTERRUPTED, CliError, explain, warn
 from streamkit.cli.line_input import LineInput
 from streamkit.cli.output import plural
-from streamkit.cli.params import MAX_OFFSET
 from streamkit.cli.unsettled import (
     AppendFailed,
     Unsettled,
@@ -62,6 +61,7 @@ from streamkit.message.framing import UnknownFraming
 from streamkit.message.message import MessageLike
 from streamkit.message.reader import ReadCommitted, ReadUncommitted, journal_framing
 from streamkit.protocol import pb
+from streamkit.protocol.spec import MAX_OFFSET
 
 __all__ = [
     "MAPPINGS",

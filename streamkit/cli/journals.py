@@ -28,7 +28,6 @@ from streamkit.cli.journal_fragments import fragment_rows, print_fragments, prun
 from streamkit.cli.journal_io import MAPPINGS, append_lines, append_raw, load_offsets
 from streamkit.cli.journal_io import read_journals as copy_journals
 from streamkit.cli.output import FORMATS, echo_json, echo_table, format_labels, format_size
-from streamkit.cli.params import MAX_OFFSET
 from streamkit.cli.security_options import security_options
 from streamkit.cli.unsettled import opened_output
 from streamkit.client import BrokerClient, list_journals
@@ -36,7 +35,7 @@ from streamkit.client.environment import BROKER_ENV, DEFAULT_ADDRESS
 from streamkit.protocol import pb
 from streamkit.protocol.durations import parse_duration
 from streamkit.protocol.labels import label_set, parse_selector
-from streamkit.protocol.spec import JournalSpec, journal_name_problem
+from streamkit.protocol.spec import MAX_OFFSET, JournalSpec, journal_name_problem
 from streamkit.protocol.spec_tree import SpecEntry, dump_specs
 
 __all__ = ["journals"]

@@ -7,8 +7,6 @@ from typing import Any
 
 import click
 
-MAX_OFFSET = (1 << 63) - 1  # journal offsets (and times) are int64 on the wire
-
 
 class Seconds(click.FloatRange):
     """A number of seconds within a range. NaN and infinities are refused: FloatRange lets

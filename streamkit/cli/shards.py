@@ -31,7 +31,7 @@ from streamkit.cli.app_keyspace import app_keyspace
 from streamkit.cli.errors import DATA_ERROR, FAILURE, CliError, async_command, warn
 from streamkit.cli.inputs import read_text_input
 from streamkit.cli.output import echo_json, echo_table, format_labels, plural
-from streamkit.cli.params import MAX_OFFSET, Seconds
+from streamkit.cli.params import Seconds
 from streamkit.cli.security_options import security_options
 from streamkit.cli.shard_access import (
     CONSUMER_ENV,
@@ -51,6 +51,7 @@ from streamkit.protocol.shard_spec import (
     dump_shard_specs,
     load_shard_entries,
 )
+from streamkit.protocol.spec import MAX_OFFSET
 from streamkit.recoverylog.fsm import hints_to_json
 
 __all__ = ["shards"]

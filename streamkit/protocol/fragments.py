@@ -15,6 +15,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from streamkit.errors import StreamkitError
 from streamkit.protocol import broker_pb2 as pb
+from streamkit.protocol.spec import MAX_OFFSET
 
 __all__ = [
     "EXTENSIONS",
@@ -30,7 +31,6 @@ __all__ = [
 
 # Big-endian split of a 20-byte SHA-1 into the SHA1Sum fields (8 + 8 + 4 bytes).
 _SUM_LAYOUT = struct.Struct(">QQI")
-_MAX_OFFSET = (1 << 63) - 1
 _STEM = re.compile(
     r"(?P<begin>[0-9a-fA-F]{1,16})-(?P<end>[0-9a-fA-F]{1,16})-(?P<sum>[0-9a-fA-F]{40})"
 )
@@ -102,7 +102,7 @@ def parse_content_name(journal: str, name: str) -> pb.Fragment:
             f"{name!r}: expected <begin:016x>-<end:016x>-<sha1:40 hex digits><extension>"
         )
     begin, end = int(match["begin"], 16), int(match["end"], 16)
-    if end > _MAX_OFFSET:
+    if end > MAX_OFFSET:
         raise FragmentNameError(f"{name!r}: end offset overflows int64")
     if begin > end:
         raise FragmentNameError(f"{name!r}: begin offset is after end offset")

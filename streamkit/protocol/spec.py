@@ -47,6 +47,7 @@ __all__ = [
     "INT64",
     "MAX_FRAGMENT_LENGTH",
     "MAX_JOURNAL_NAME_LEN",
+    "MAX_OFFSET",
     "MAX_REFRESH_INTERVAL",
     "MAX_REPLICATION",
     "MIN_FLUSH_INTERVAL",
@@ -65,6 +66,7 @@ __all__ = [
 
 MAX_REPLICATION = 5
 INT64 = 1 << 63  # protobuf int64 fields (revisions, offsets) hold [-INT64, INT64)
+MAX_OFFSET = INT64 - 1  # the largest offset (or revision, or time) they hold
 MIN_FRAGMENT_LENGTH, MAX_FRAGMENT_LENGTH = 1 << 10, 1 << 34
 MIN_REFRESH_INTERVAL, MAX_REFRESH_INTERVAL = timedelta(seconds=1), timedelta(hours=24)
 # A non-zero flush_interval shorter than this is rejected (Gazette's rule).
