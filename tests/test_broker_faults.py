@@ -444,6 +444,26 @@ def test_a_device_out_of_space_fails_appends_until_space_returns(small_disk: Pat
         broker.kill()
 
 
+def test_a_rolled_back_append_gives_its_space_back(small_disk: Path) -> None:
+    """An append failing on a full disk left what it wrote in its spool file: the disk
+    stayed full, and every journal's appends failed until the broker restarted."""
+    broker = BrokerProcess(small_disk / "broker").start()
+    try:
+        journals = wire.stub(broker.address)
+        for name in ("full/one", "full/two"):
+            wire.create(journals, wire.spec(name, length=512 * MIB))
+        assert put(broker, "full/one", b"x" * MIB)[0] == 204
+        code, text = put(broker, "full/one", b"y" * (16 * MIB))  # more than the disk holds
+        assert code == 507 and "No space left on device" in text, (code, text)
+        assert wire.append(journals, "full/one", b"after").commit.begin == MIB
+        assert wire.append(journals, "full/two", b"other").commit.begin == 0
+        spooled = sum(f.stat().st_size for f in (small_disk / "broker").rglob("*") if f.is_file())
+        assert spooled < 2 * MIB, spooled
+        assert wire.read(journals, "full/one")[0] == b"x" * MIB + b"after"
+    finally:
+        broker.kill()
+
+
 def test_a_journal_first_opened_on_a_full_disk_is_retried_once_there_is_room(
         small_disk: Path) -> None:
     """A journal's first spool can't be written on a full disk: its appends fail

@@ -9,7 +9,6 @@ it was: the append is rolled back, and the next one writes at the same offset.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
@@ -132,8 +131,7 @@ async def append(
         except BaseException:
             # Rolled back (or cancelled): a chunk still being written must land
             # before the next append may write at the same offset.
-            with contextlib.suppress(OSError):
-                await settle(txn.settle())
+            await settle(txn.discard())
             raise
         registers = _new_registers(replica, request) if txn.length else None
         # Once the commit record may be written, the commit runs to its end even if
@@ -142,6 +140,7 @@ async def append(
         try:
             commit = await settle(_commit(replica, txn, registers))
         except OSError as error:  # nothing was committed: the spool's end did not move
+            await settle(txn.discard())
             raise _fault(replica, f"committing {txn.length} bytes", error) from error
     metrics.APPENDS.labels(replica.name).inc()
     metrics.APPEND_BYTES.labels(replica.name).inc(txn.length)

@@ -21,6 +21,7 @@ wholly present or wholly absent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import logging
@@ -319,6 +320,12 @@ class Spool:
             os.close(self._log_fd)
             self._log_fd = -1
 
+    def cut_to_end(self) -> None:
+        """Cut off bytes past the committed end (a rolled-back append's), freeing their
+        space now rather than when the spool rolls. Never extends the file."""
+        if self._fd >= 0 and os.fstat(self._fd).st_size > self.length:
+            os.ftruncate(self._fd, self.length)
+
     def start_append(self) -> SpoolAppend:
         return SpoolAppend(self)
 
@@ -380,6 +387,16 @@ class SpoolAppend:
         self._in_flight = None
         if not future.cancelled():
             future.result()
+
+    async def discard(self) -> None:
+        """Roll the append back: once no chunk is being written, give the space of what it
+        wrote back (on a full disk, its bytes kept every journal's appends failing)."""
+        with contextlib.suppress(OSError):
+            await self.settle()
+        # (Not a fenced spool's: a commit record it could not undo may name these bytes.)
+        if self.length and not self.spool.fenced:
+            with contextlib.suppress(OSError):
+                await on_disk(self.spool.cut_to_end)
 
     def _write(self, data: bytes, at: int) -> None:
         write_all(self.spool._fd, data, self.begin - self.spool.begin + at)
