@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -69,7 +70,8 @@ def test_errors_map_to_http_statuses(shared_broker, journal) -> None:
     base = shared_broker.http_url
     assert _http("GET", f"{base}/http/missing")[0] == 404
     assert _http("PUT", f"{base}/http/missing", b"x")[0] == 404
-    assert _http("GET", f"{base}/{journal}?offset=999999")[0] == 416
+    status, headers, _ = _http("GET", f"{base}/{journal}?offset=999999")
+    assert status == 416 and int(headers["X-Write-Head"]) > 0  # where to read up to
     status, _, body = _http("GET", f"{base}/{journal}?offset=abc")
     assert status == 400 and b"offset" in body
     assert _http("GET", f"{base}/bad//name")[0] == 400
@@ -90,6 +92,26 @@ def _appends_counted(text: str, journal: str) -> float:
     line = next((ln for ln in text.splitlines()
                  if ln.startswith("streamkit_broker_appends_total") and journal in ln), None)
     return float(line.split()[-1]) if line else 0.0
+
+
+def test_a_blocking_get_whose_journal_goes_away_is_a_404(shared_broker) -> None:
+    """A GET waiting at the write head, and its journal deleted: a 404 naming it. It was a
+    500, with an aiohttp traceback in the broker's log."""
+    import threading
+
+    name = "http/deleted-under-a-read"
+    journals = wire.stub(shared_broker.address)
+    wire.create(journals, wire.spec(name))
+    answer: list = []
+    url = f"{shared_broker.http_url}/{name}?offset=-1&block=true"
+    reading = threading.Thread(target=lambda: answer.append(_http("GET", url)))
+    reading.start()
+    time.sleep(0.5)  # (waiting at the head, or not yet: either way no 500)
+    wire.delete(journals, name)
+    reading.join(10)
+    assert answer and answer[0][0] == 404, answer
+    assert b"JOURNAL_NOT_FOUND: " + name.encode() in answer[0][2]
+    assert "StopAsyncIteration" not in shared_broker.log()
 
 
 def test_metrics_count_appends(shared_broker, journal) -> None:

@@ -55,6 +55,16 @@ def update(journals: pb_grpc.JournalStub, spec: pb.JournalSpec) -> pb.ApplyRespo
     return response
 
 
+def delete(journals: pb_grpc.JournalStub, name: str) -> pb.ApplyResponse:
+    """Delete an existing journal (at its current revision)."""
+    selector = pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="name", value=name)]))
+    (listed,) = next(iter(journals.List(pb.ListRequest(selector=selector)))).journals
+    change = pb.ApplyRequest.Change(expect_mod_revision=listed.mod_revision, delete=name)
+    response = journals.Apply(pb.ApplyRequest(changes=[change]))
+    assert response.status == pb.OK, pb.Status.Name(response.status)
+    return response
+
+
 def append_requests(first: pb.AppendRequest, chunks: Iterable[bytes],
                     commit: bool = True) -> Iterator[pb.AppendRequest]:
     yield first

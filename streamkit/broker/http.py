@@ -184,9 +184,16 @@ class HttpGateway:
             journal=journal, offset=offset, block=block, metadata_only=request.method == "HEAD"
         )
         responses = ReadStream(replica, read, self.service.header()).responses()
-        first = await anext(responses)
+        first = await anext(responses, None)
+        if first is None:  # a blocking read ended before anything was there to read
+            if replica.deleted:
+                return _status_error(pb.JOURNAL_NOT_FOUND, journal)
+            return _error(503, f"{journal}: the broker is stopping; read again elsewhere or later")
         if first.status != pb.OK:
-            return _status_error(first.status, journal)
+            refused = _status_error(first.status, journal)
+            if first.write_head:  # an offset not yet written: where the journal ends now
+                refused.headers["X-Write-Head"] = str(first.write_head)
+            return refused
         contents = _contents(responses, journal, first.offset)
         opening: bytes | None = None
         if first.fragment.backing_store and request.method != "HEAD":
