@@ -334,6 +334,22 @@ def test_a_trickling_appender_is_rolled_back_and_frees_the_journal(
     assert wire.append(journals, "slow/trickle", b"next").commit.begin == 0
 
 
+def test_an_appender_waiting_for_the_journal_is_not_charged_for_the_wait() -> None:
+    """The minimum rate applies while the append holds the journal: an appender queued
+    10 s behind another was rolled back as too slow as soon as it got the journal."""
+    from streamkit.broker.pace import ALLOWANCE, AppendPace
+
+    now = [100.0]
+    pace = AppendPace(64 << 10, 30.0, clock=lambda: now[0])  # made as the append arrives
+    now[0] += 10.0  # waiting for the append lock
+    assert pace.next_timeout() == pytest.approx(ALLOWANCE)  # its first chunk: all of it
+    pace.got(64 << 10)
+    now[0] += 0.5
+    assert pace.next_timeout() == pytest.approx(ALLOWANCE + 1.0 - 0.5)
+    now[0] += 5.0
+    assert "sent 65536 bytes in 5.5s, below the minimum rate" in str(pace.timed_out("j"))
+
+
 def test_gazette_request_rules_for_appends(shared_broker: BrokerProcess) -> None:
     journals = wire.stub(shared_broker.address)
     wire.create(journals, wire.spec("rules/append"))

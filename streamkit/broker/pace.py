@@ -12,6 +12,7 @@ for a chunk may exceed the stall timeout.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from streamkit.errors import StreamkitError
 
@@ -28,24 +29,30 @@ class TooSlow(StreamkitError, TimeoutError):
 class AppendPace:
     """The deadline of an append's next chunk: see the module docstring."""
 
-    def __init__(self, min_rate: float, stall_timeout: float) -> None:
+    def __init__(self, min_rate: float, stall_timeout: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.min_rate = min_rate
+        self.clock = clock
         self.stall_timeout = stall_timeout
-        self.started = time.monotonic()
+        # Set when the first chunk is awaited, which is once the append holds the journal:
+        # a wait for the append lock behind another appender is not the appender's doing.
+        self.started = 0.0
         self.received = 0
 
     def next_timeout(self) -> float:
         """Seconds to wait for the next chunk (at least a little, so a timer can fire)."""
+        if not self.started:
+            self.started = self.clock()
         if self.min_rate <= 0:
             return self.stall_timeout
-        earned = self.started + ALLOWANCE + self.received / self.min_rate - time.monotonic()
+        earned = self.started + ALLOWANCE + self.received / self.min_rate - self.clock()
         return max(0.001, min(self.stall_timeout, earned))
 
     def got(self, size: int) -> None:
         self.received += size
 
     def timed_out(self, journal: str) -> TooSlow:
-        elapsed = time.monotonic() - self.started
+        elapsed = self.clock() - self.started
         if self.min_rate > 0 and elapsed > ALLOWANCE + self.received / self.min_rate:
             return TooSlow(
                 f"append to {journal} sent {self.received} bytes in {elapsed:.1f}s, below the "
