@@ -66,6 +66,9 @@ class ReadStream:
                 await changed.wait()
                 continue
             fragment = lookup.fragment
+            if fragment.mod_time and fragment.mod_time < request.begin_mod_time:
+                self.offset = fragment.end  # persisted before the reader's begin_mod_time
+                continue
             self.offset = lookup.offset
             url = await self._fragment_url(fragment)
             yield self._response(
