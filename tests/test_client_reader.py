@@ -138,8 +138,10 @@ async def test_end_offset_and_seek(client: BrokerClient) -> None:
         assert await reader.read() == b""
 
 
-async def test_direct_fragment_reads(client: BrokerClient, shared_broker: BrokerProcess) -> None:
-    journal = unique_name("direct")
+@pytest.mark.parametrize("suffix", ["", "/a%20b"])  # (a file URL escapes the %: not "a b")
+async def test_direct_fragment_reads(client: BrokerClient, shared_broker: BrokerProcess,
+                                     suffix: str) -> None:
+    journal = unique_name("direct") + suffix
     await create_journal(client, journal, length=1024)
     first, second = b"a" * 1500, b"b" * 700
     await append_bytes(client, journal, first)

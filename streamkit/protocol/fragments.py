@@ -129,9 +129,14 @@ def parse_content_path(journal: str, relative: str) -> pb.Fragment:
 def fragment_url(store_url: str, f: pb.Fragment) -> str:
     """The URL of fragment `f` within the store at `store_url` (query kept last).
 
-    The content path is appended as is, unescaped, as Gazette does: journal
-    names are restricted to URL-safe characters plus `%`, `+` and `=`.
+    Journal names are restricted to URL-safe characters plus `%`, `+` and `=`, and
+    the content path is appended as is, as Gazette does, but for a `%` in a
+    `file:` URL: readers open its path unescaped (as Gazette's do), so a journal
+    named `a%20b` would be read from `a b`.
     """
     parts = urlsplit(store_url)
     path = parts.path if parts.path.endswith("/") else parts.path + "/"
-    return urlunsplit(parts._replace(path=path + content_path(f)))
+    content = content_path(f)
+    if parts.scheme == "file":
+        content = content.replace("%", "%25")
+    return urlunsplit(parts._replace(path=path + content))
