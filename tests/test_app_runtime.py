@@ -851,6 +851,46 @@ async def test_a_lost_sql_checkpoint_fails_the_shard_rather_than_count_again(
         admin.dispose()
 
 
+async def test_a_checkpoint_past_the_write_head_fails_the_shard(
+        shared_broker: Any, tmp_path: Path, sql_counting: Any, postgres_url: str) -> None:
+    """The checkpoint read its source further than the journal goes on this broker (an SQL
+    app's backfill run at another app's broker, its journals named alike): the shard fails
+    saying so. It waited at that offset, skipping every line appended up to it, showing
+    no lag."""
+    import uuid
+
+    import sqlalchemy as sa
+
+    from streamkit.stores.sql import CHECKPOINTS
+
+    factory, counts = sql_counting
+    root = f"/ahead-{uuid.uuid4().hex[:8]}"
+    async with BrokerClient(shared_broker.address) as client:
+        service, inputs = await _sql_service(client, tmp_path, factory, root)
+        specs = {sid: r.shard.spec for sid, r in service.replicas.items()}
+        await _publish_lines(client, inputs, ["a b"] * 5)
+        await eventually(lambda: counts() == _expected(["a b"] * 5), 30, "exact counts")
+        await service.stop()
+
+        admin = sa.create_engine(postgres_url)
+        row = CHECKPOINTS.c.shard_fqn == f"{root}/items/shard-000"
+        with admin.begin() as conn:
+            cp = consumer_pb.Checkpoint.FromString(
+                conn.execute(sa.select(CHECKPOINTS.c.checkpoint).where(row)).scalar_one())
+            cp.sources[inputs[0]].read_through += 100_000
+            conn.execute(sa.update(CHECKPOINTS).where(row).values(
+                checkpoint=cp.SerializeToString()))
+        admin.dispose()
+        again = Service(service.runtime)
+        await again.assign(specs, {sid: 0 for sid in specs})
+        replica = again.replicas["shard-000"]
+        await eventually(lambda: replica.status.code == Code.FAILED, 20, "a failed shard")
+        error = replica.status.errors[0]
+        assert f"its checkpoint read journal {inputs[0]} through offset" in error, error
+        assert "past its write head" in error and "is this the broker it read" in error
+        await again.stop()
+
+
 async def test_a_store_failing_on_and_on_fails_the_shard(
         shared_broker: Any, tmp_path: Path, sql_counting: Any,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 from streamkit.app.application import Application, QueryError
 from streamkit.app.assignment import item_key
+from streamkit.app.checkpoint_ahead import check_read_through
 from streamkit.app.checkpoints import producer_states, start_offsets
 from streamkit.app.commit_marks import check_restored, mark_committed
 from streamkit.app.hints import load_hints, push_backup_hints, store_primary_hints
@@ -539,6 +540,7 @@ class Replica:
             if store.checkpoint_home is not None and runtime.keyspace is not None:
                 await check_restored(runtime.keyspace, runtime.keyspace_root, shard.id, cp,
                                      store.checkpoint_home)
+            await check_read_through(shard.client, shard.id, cp)
             phases.mark("store")
         if standby is None:
             # Shards taking over together (a process's start or restart) start reading

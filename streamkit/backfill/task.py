@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from streamkit.app.application import Application, batch_hook
+from streamkit.app.checkpoint_ahead import check_read_through
 from streamkit.app.checkpoints import build_checkpoint, producer_states, start_offsets
 from streamkit.app.commit_marks import check_restored, mark_committed
 from streamkit.app.config import AppConfig
@@ -437,6 +438,7 @@ async def run_shard(
                     async with _keyspace(plan) as keyspace:
                         await check_restored(keyspace, config.keyspace_root, shard.id, cp,
                                              store.checkpoint_home)
+                await check_read_through(client, shard.id, cp)
                 await reappend_ack_intents(shard, cp)  # an SQL store's last ones may be unsent
                 hooks = watchdog.watch(shard.id)  # logs a hook running too long, as live
                 runner, readers = _runner(plan, shard_plan, shard, app, store, cp, hooks)
