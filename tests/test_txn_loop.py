@@ -521,6 +521,33 @@ async def test_a_failed_commit_names_its_own_transaction(run_loop: Any) -> None:
     assert error.reason == "transaction 1 failed at commit: OSError: disk full"
 
 
+async def test_a_commit_failing_after_the_loop_failed_prints_no_stray_traceback(
+        run_loop: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """The loop failed (or was stopped, or fenced) with a commit in flight, which then
+    failed too: its error is no one's to report any more. asyncio printed it, with a
+    traceback, as "Task exception was never retrieved" whenever the task was collected."""
+    import gc
+
+    h = await run_loop(max_txn=1.0)
+    h.input.committed(1)
+    await until(lambda: len(h.store.commits) == 1, "commit 1 in flight")
+
+    def consume(n: int) -> None:
+        if n == 2:
+            raise ValueError("no")
+
+    h.app.on_consume = consume
+    h.input.committed(2)
+    await until(lambda: 2 in h.app.consumed, "transaction 2 consumed")
+    h.store.commits[0].op.fail(OSError("fenced"))
+    error = await failure(h)
+    assert isinstance(error, TransactionFailed) and error.phase == "consume_message"
+    h.loop._previous = None  # (the loop object outlives the test's look at the log)
+    gc.collect()
+    await settle()
+    assert "never retrieved" not in caplog.text, caplog.text
+
+
 async def test_a_failed_finalize_txn_names_its_phase(run_loop: Any) -> None:
     h = await run_loop(max_txn=1.0)
 

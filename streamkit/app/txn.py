@@ -168,6 +168,14 @@ def poison_failed(shard: str, number: int, env: Envelope, error: Exception) -> T
                              f"the message at {env.journal} offset {env.begin}")
 
 
+def _seen(task: asyncio.Task[None]) -> None:
+    """Mark a commit's failure seen. The loop raises it where it next looks; a loop that
+    ended first (failed, stopped, fenced) has said why, and asyncio would print this one
+    with a traceback as "never retrieved" whenever the task is collected."""
+    if not task.cancelled():
+        task.exception()
+
+
 def must_close(
     elapsed: float,
     min_duration: float,
@@ -486,6 +494,7 @@ class TransactionLoop:
             self._acknowledged(self._number, commit, acks, cp, committing, count),
             name=f"acknowledge:{shard.id}",
         )
+        self._previous.add_done_callback(_seen)
         self._open = False
         self._phase = "read"
 
