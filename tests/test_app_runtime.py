@@ -432,6 +432,36 @@ async def _counting(client: BrokerClient, tmp_path: Path, lines: list[str]
     return service, specs, journals
 
 
+async def test_a_changed_spec_restarts_the_primary(shared_broker: Any, tmp_path: Path) -> None:
+    """`shards apply` of a running primary's spec: it restarts (committing first) and reads
+    by the new spec. It read on by the old one until some later failover, where a bad
+    change (a missing journal) then failed it. A change of labels alone restarts nothing."""
+    async with BrokerClient(shared_broker.address) as client:
+        service, specs, journals = await _counting(client, tmp_path, ["a b"] * 5)
+        before = service.replicas["shard-000"]
+        labeled = {sid: consumer_pb.ShardSpec() for sid in specs}
+        for sid, spec in specs.items():
+            labeled[sid].CopyFrom(spec)
+            labeled[sid].labels.labels.add(name="team", value="x")
+        await service.assign(labeled, {sid: 0 for sid in specs})
+        assert service.replicas["shard-000"] is before
+
+        extra = f"{journals['inputs'][0]}-extra"
+        await create_journal(client, extra, labels=NDJSON)
+        moved = {sid: consumer_pb.ShardSpec() for sid in specs}
+        for sid, spec in labeled.items():
+            moved[sid].CopyFrom(spec)
+            moved[sid].sources.add(journal=extra)
+        await service.assign(moved, {sid: 0 for sid in specs})
+        after = service.replicas["shard-000"]
+        assert after is not before and after.shard.spec == moved["shard-000"]
+        await _publish_lines(client, [extra], ["c"] * 3)
+        await eventually(lambda: after.status.code == Code.PRIMARY, 20, "primary again")
+        await eventually(lambda: after.query({"word": "c"}), 20, "the new source read")
+        assert await after.query({"word": "a"}) == 5 and await after.query({"word": "c"}) == 3
+        await service.stop()
+
+
 async def test_stop_with_the_broker_gone_abandons_the_transaction(
     broker_proc: Any, tmp_path: Path
 ) -> None:

@@ -60,6 +60,13 @@ class Service:
                 # demoted to standby (a hand-off): it stops and catches up anew.
                 await self._drop(shard_id)
                 replica = None
+            elif replica is not None and slot == 0 and _restarts(replica.shard.spec, spec):
+                # A primary (or a FAILED one) reads by its spec as it started: a change
+                # (sources, durations) takes effect once it restarts, committing first.
+                # (A standby promoted as its spec changes starts afresh as primary.)
+                log.info("shard %s: its spec changed: restarting its primary", shard_id)
+                await self._drop(shard_id)
+                replica = None
             if replica is None:
                 replica = self.replicas[shard_id] = Replica(self.runtime, spec)
                 self._watchers[shard_id] = asyncio.create_task(self._watch(replica))
@@ -123,6 +130,19 @@ class Service:
             await event.wait()
             self.changed.set()
             self.changed = asyncio.Event()
+
+
+def _restarts(old: consumer_pb.ShardSpec, new: consumer_pb.ShardSpec) -> bool:
+    """Whether a primary must restart to follow a spec change: any change but its labels'
+    and its standby count's (the allocator's business, not the primary's)."""
+    def running_part(spec: consumer_pb.ShardSpec) -> consumer_pb.ShardSpec:
+        part = consumer_pb.ShardSpec()
+        part.CopyFrom(spec)
+        part.ClearField("labels")
+        part.ClearField("hot_standbys")
+        return part
+
+    return old != new and running_part(old) != running_part(new)
 
 
 async def _outcome(shard_id: str, loop: TransactionLoop) -> None:
