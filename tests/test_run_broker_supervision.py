@@ -82,6 +82,22 @@ def _kill_broker(app: Path) -> int:
     return pid
 
 
+def _worker_pid(run_pid: int, suffix: str) -> int | None:
+    """The pid of `run`'s live worker process serving as `suffix`."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or int(
+                    (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) != run_pid:
+                continue
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--suffix" in args and args[args.index(b"--suffix") + 1] == suffix.encode() \
+                and _alive(int(proc.name)):
+            return int(proc.name)
+    return None
+
+
 async def _check_exact(view: AppView, ids: range) -> None:
     """Counts are exact as queried, and the committed output holds each update once."""
     expected = expected_counts(ids)
@@ -93,6 +109,46 @@ async def _check_exact(view: AppView, ids: range) -> None:
 def _death_lines(run: Proc) -> list[str]:
     return [line for line in run.text().splitlines()
             if line.startswith("streamkit: warning: the bundled broker")]
+
+
+async def test_a_worker_killed_is_reported_and_restarted(tmp_path: Path) -> None:
+    """SIGKILL a worker process of `run --workers 2`: run says so naming it and its log,
+    starts it again, and it serves again; counts stay exact. It was left dead (a zombie)
+    without a word, `run` going on with one process."""
+    app, port, address = _app_on_a_port(tmp_path)
+    run = _run_bundled(app, port, tmp_path / "run.log", "--workers", "2")
+    try:
+        async with AppView(app, address) as view:
+            await view.wait_serving(timeout=60)
+            ids = Feeder(app, address, tmp_path / "feed-1.log", count=200,
+                         interval=0).start().finish()
+            await _check_exact(view, ids)
+            killed = await eventually(lambda: _worker_pid(run.proc.pid, "worker-1"), 10,
+                                      "worker 1's process")
+            os.kill(killed, signal.SIGKILL)
+            await eventually(lambda: "worker 1 (pid" in run.text(), DEADLINE,
+                             "run to report the worker's death")
+            assert "was killed by SIGKILL; restarting it" in run.text(), run.log()
+            assert "worker-1.log" in run.text()
+            await eventually(lambda: "worker 1 is running again" in run.text(), 30,
+                             "the worker to be restarted")
+            again = _worker_pid(run.proc.pid, "worker-1")
+            assert again is not None and again != killed
+
+            async def both_serve() -> bool:
+                state = await view.state()
+                return {state.primary_of(s).suffix
+                        for s in view.config.shard_ids()} == {"worker-0", "worker-1"}
+
+            await eventually(both_serve, 60, "the restarted worker to serve shards again")
+            more = Feeder(app, address, tmp_path / "feed-2.log", start=ids.stop, count=200,
+                          interval=0).start().finish()
+            await _check_exact(view, range(0, more.stop))
+            code = await asyncio.to_thread(run.signal, signal.SIGINT, LIVENESS)
+            assert code == 0, run.log()
+            assert not _alive(again), "run should stop the worker it restarted"
+    finally:
+        run.stop()
 
 
 async def test_broker_sigkill_is_reported_restarted_and_counts_stay_exact(

@@ -113,7 +113,8 @@ def start_child(name: str, args: list[str], log_path: Path,
 
 
 class Supervisor:
-    """Restarts a child serving `port` when it dies, saying so on stderr at once.
+    """Restarts a child serving `port` (None: a child that serves no port of its own, up
+    once started) when it dies, saying so on stderr at once.
 
     Only quick failures count against giving up: a child that dies within
     `quick` seconds of starting (or never listens). After `max_restarts` of
@@ -126,7 +127,7 @@ class Supervisor:
     settle = 5.0  # seconds after a restart until its clients have surely reconnected
     start_timeout = 30.0
 
-    def __init__(self, child: Child, port: int) -> None:
+    def __init__(self, child: Child, port: int | None) -> None:
         self.child, self.port = child, port
         self.started = time.monotonic()
         self.up_since = self.started - self.settle  # a first start has no clients to lose
@@ -163,7 +164,8 @@ class Supervisor:
                 raise CliError(f"{name} {failure}, after {self.max_restarts} restarts in a row; "
                                f"giving up{self._last_words()}; its log: {log}")
             self.restarting = failures
-            warn(f"{name} {failure}; restarting it on port {self.port} "
+            on = f" on port {self.port}" if self.port is not None else ""
+            warn(f"{name} {failure}; restarting it{on} "
                  f"(restart {failures} of {self.max_restarts}); its log: {log}")
             await asyncio.sleep(0.0 if failures == 1 else min(4.0, 0.5 * 2 ** (failures - 2)))
             self._failure = await self._restart()
@@ -171,13 +173,14 @@ class Supervisor:
     async def _restart(self) -> str | None:
         """Start the child again and wait until it listens: None, else what went wrong."""
         self.started = time.monotonic()
-        if port_in_use(self.port):  # not by the child: starting would only fail to bind
+        if self.port is not None and port_in_use(self.port):  # (not the child's: it's dead)
             return f"could not start: port {self.port} is taken by another process"
         self.child = child = self.child.restarted()
         while child.proc.poll() is None:
-            if port_in_use(self.port):
+            if self.port is None or port_in_use(self.port):
                 self.restarting, self.up_since = None, time.monotonic()
-                click.echo(f"streamkit: {child.name} is running again on port {self.port} "
+                on = f" on port {self.port}" if self.port is not None else ""
+                click.echo(f"streamkit: {child.name} is running again{on} "
                            f"(pid {child.proc.pid})", err=True)
                 return None
             if time.monotonic() - self.started > self.start_timeout:

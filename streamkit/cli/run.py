@@ -225,6 +225,16 @@ async def _wait_for_members(config: AppConfig, keyspace: KeySpace, workers: list
         await asyncio.sleep(poll)
 
 
+async def _supervise_worker(worker: Supervisor) -> None:
+    """Restart a worker process that died (its shards fail over to the other members
+    meanwhile); one that keeps dying is given up on, saying so, and `run` goes on without
+    it. It was left dead without a word: the status line showed fewer processes' work."""
+    try:
+        await worker.run()
+    except CliError as error:
+        warn(f"{error}; the other members serve its shards")
+
+
 async def deploy_when_ready(config: AppConfig, client: BrokerClient, keyspace: KeySpace,
                              broker: str, timeout: float = 30.0, adopt: bool = False) -> None:
     """Create the app's journals and shards, retrying while the broker is still starting."""
@@ -268,6 +278,33 @@ def _orphan_aware(parent: int) -> Callable[[], float]:
     killed `run` took its bundled broker along, so commits can't land; the parent-death
     signal that stops the worker would otherwise have it wait out the usual time."""
     return lambda: _QUICK_STOP if os.getppid() != parent else _stop_timeout()
+
+
+async def _check_deployed_store(config: AppConfig, keyspace: KeySpace,
+                                given: str | None) -> None:
+    """Refuse to serve shards whose state is kept in another store kind than this member
+    would run: it would find none of their state, and recount their sources from the
+    start (or fail at the app's first use of the other store)."""
+    from streamkit.app.assignment import items_prefix
+    from streamkit.app.config import STORE_LABEL
+    from streamkit.protocol import consumer_pb
+
+    kvs, _ = await keyspace.range(items_prefix(config.keyspace_root))
+    for kv in kvs:
+        try:
+            spec = consumer_pb.ShardSpec.FromString(kv.value)
+        except Exception:  # (an unreadable spec: the member says so)
+            continue
+        deployed = next((label.value for label in spec.labels.labels
+                         if label.name == STORE_LABEL), config.store_kind)
+        if deployed != config.store_kind:
+            where = "--store" if given else "streamkit.yaml"
+            raise CliError(
+                f"refusing to serve: app {config.name}'s shards keep their state in the "
+                f"{deployed} store (as deployed: label {STORE_LABEL} of shard {spec.id}), "
+                f"and this member would run {config.store_kind} ({where}): it would find "
+                f"none of their state", DATA_ERROR)
+        return
 
 
 async def _check_broker_accepts(client: BrokerClient, broker: str, security: Security
@@ -495,7 +532,8 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
     keyspace_url = _keyspace_url(data_dir, keyspace)
     bundled: Supervisor | None = None
     supervising: asyncio.Task[None] | None = None
-    workers_: list[Child] = []
+    workers_: list[Supervisor] = []  # of the worker processes (`--workers`)
+    watching: list[asyncio.Task[None]] = []  # their supervision
     file_root = None
     stopping: dict[str, float] = {}  # the shards' time to commit; when stopping began
 
@@ -519,8 +557,9 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
             broker = f"{scheme}127.0.0.1:{port}"
             file_root = bundled_fragments(app_dir)
         overrides = {"shards": shards, "store": store}
-        workers_.extend(_start_worker(index, app_dir, broker, keyspace_url, file_root,
-                                      overrides, workers, log_level, lease_ttl, security)
+        workers_.extend(Supervisor(_start_worker(index, app_dir, broker, keyspace_url,
+                                                 file_root, overrides, workers, log_level,
+                                                 lease_ttl, security), None)
                         for index in range(1, workers))
         from streamkit.client import BrokerClient
         from streamkit.keyspace import open_keyspace
@@ -540,7 +579,9 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
                                lease_ttl=lease_ttl) as member:
                 # The first assignment waits for the workers (`expect_members`); this says
                 # why if one of them exits instead of joining.
-                await _wait_for_members(config, ks, workers_)
+                await _wait_for_members(config, ks, [w.child for w in workers_])
+                watching.extend(asyncio.create_task(_supervise_worker(w), name=w.child.name)
+                                for w in workers_)
                 view = StatusView(config, ks, live=status,
                                   notice=bundled.state if bundled is not None else None,
                                   security=security)
@@ -548,7 +589,8 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
                 try:
                     await _until_signalled(
                         supervising, member,
-                        lambda: [*workers_, *([bundled.child] if bundled is not None else [])])
+                        lambda: [*(w.child for w in workers_),
+                                 *([bundled.child] if bundled is not None else [])])
                 finally:
                     await cancel_and_wait(viewing, "the status view")
                     stop_timeout()  # decided now, while stopping begins
@@ -557,8 +599,10 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
                                f"stopping: the bundled broker is down: what the shards cannot "
                                f"commit within {_QUICK_STOP:.0f}s is left to the next run...",
                                err=True)
-                    for child in workers_:  # they stop while this member stops too
-                        child.proc.send_signal(signal.SIGTERM)
+                    for task in watching:  # (not restarted as they stop)
+                        await cancel_and_wait(task, task.get_name())
+                    for worker in workers_:  # they stop while this member stops too
+                        worker.child.proc.send_signal(signal.SIGTERM)
     finally:
         # Workers wait on the broker as this member does: when it's down, they get about the
         # time this member's shards got, then SIGKILL (their transactions are done again).
@@ -569,7 +613,9 @@ async def run(app_dir: Path, shards: int | None, broker: str | None, port: int, 
         # _until_signalled raised that already.
         if supervising is not None and not supervising.done():
             await cancel_and_wait(supervising, "the broker supervisor")
-        await asyncio.gather(*(asyncio.to_thread(child.stop, patience) for child in workers_))
+        for task in watching:
+            await cancel_and_wait(task, task.get_name())
+        await asyncio.gather(*(asyncio.to_thread(w.child.stop, patience) for w in workers_))
         if bundled is not None:
             await asyncio.to_thread(bundled.child.stop)
         running.release()
@@ -618,7 +664,8 @@ def _lock_app(app_dir: Path, data_dir: Path, broker: str) -> ProcessLock:
                    "where the members allow it.")
 @lease_ttl_option
 @click.option("--store", type=click.Choice(STORE_KINDS), default=None,
-              help="Store kind, overriding streamkit.yaml (must match the other members).")
+              help="Store kind, overriding streamkit.yaml (refused unless the shards were "
+                   "deployed with it).")
 @click.option("--file-root", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="The broker's file:// fragment root, read directly when on this machine.")
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -676,6 +723,7 @@ async def serve(app_dir: Path, broker: str, keyspace: str | None, shards: int | 
             warn(f"app {config.name} has no shards deployed in KeySpace {keyspace} (under "
                  f"{config.keyspace_root}): this member serves none until `streamkit deploy "
                  f"{app_dir}` with this --keyspace puts them there (is the URL's prefix right?)")
+        await _check_deployed_store(config, ks, store)
         await _check_broker_accepts(client, broker, security)
         async with _member(config, app_class, client, ks, suffix=suffix, zone=zone,
                            lease_ttl=lease_ttl, broker_file_root=file_root, security=security,
