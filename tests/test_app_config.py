@@ -437,7 +437,8 @@ def test_shard_specs(config: AppConfig) -> None:
     assert spec.hot_standbys == 1
     assert spec.max_txn_duration.ToTimedelta() == timedelta(seconds=2)
     assert spec.min_txn_duration.ToTimedelta() == timedelta(milliseconds=250)
-    assert [(label.name, label.value) for label in spec.labels.labels] == [("app", "wordcount")]
+    assert [(label.name, label.value) for label in spec.labels.labels] == [
+        ("app", "wordcount"), ("app.streamkit.dev/store", "rocksdb")]
 
 
 def test_sql_stores_have_no_recovery_log(config: AppConfig) -> None:

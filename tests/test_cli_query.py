@@ -72,3 +72,24 @@ def test_a_disabled_shard_is_named_so(app: Path) -> None:
                                      "shard-001"])
     assert "no primary is serving it" in other.output and "is the app running" in (
         other.output), other.output
+
+
+def test_a_keyspace_without_the_app_is_named_so(app: Path, tmp_path: Path) -> None:
+    """A KeySpace holding no shards of the app (a URL's prefix mistyped): said so, not "no
+    primary is serving shard-000 … is the app running?"."""
+    import asyncio
+
+    from streamkit.keyspace import open_keyspace
+
+    other = tmp_path / "other.db"
+
+    async def make() -> None:
+        async with open_keyspace(str(other)) as keyspace:
+            await keyspace.put("/elsewhere", b"x")
+
+    asyncio.run(make())
+    result = CliRunner().invoke(cli, ["query", str(app), '{"key": "a"}', "--keyspace",
+                                      str(other)])
+    assert result.exit_code == 1, result.output
+    assert "app asked has no shards in KeySpace" in result.output, result.output
+    assert "is --keyspace's prefix right" in result.output

@@ -199,7 +199,8 @@ def test_apply_round_trip_dry_run_stale_and_delete(app: AppConfig, tmp_path: Pat
     assert "1 created, 1 updated, 0 deleted, 1 unchanged" in done
     listed = {s["id"]: s for s in json.loads(ok("list", *where, "-o", "json"))}
     assert listed["shard-000"]["spec"]["hot_standbys"] == 1
-    assert listed["shard-extra"]["spec"]["labels"] == [{"name": "app", "value": "extra"}]
+    assert listed["shard-extra"]["spec"]["labels"] == [  # (the store's, common to all)
+        {"name": "app", "value": "extra"}, {"name": "app.streamkit.dev/store", "value": "rocksdb"}]
 
     # The same file again changes nothing (and so checks no revision)...
     assert "0 created, 0 updated, 0 deleted, 3 unchanged" in ok("apply", str(specs), *where)
@@ -364,6 +365,15 @@ def test_stat_errors_without_a_running_primary(app: AppConfig) -> None:
                                                               code=1)
     assert "SHARD_NOT_FOUND" in fails("stat", "shard-404", *where, code=1)
 
+    async def disable(keyspace: Any, root: str) -> None:
+        spec = app.shard_specs()[1]
+        spec.disable = True
+        await ensure_shard_specs(keyspace, root, [spec])
+
+    keyspace_do(app, disable)
+    assert "shard shard-001 is disabled (its spec's `disable`)" in fails(
+        "stat", "shard-001", *where, code=1)
+
     async def dead_primary(keyspace: Any, root: str) -> None:
         member = MemberId("local", "gone")
         await add_member(keyspace, root, member, f"grpc://127.0.0.1:{free_port()}")
@@ -479,3 +489,18 @@ def test_a_keyspace_url_in_no_accepted_form_is_bad_input(tmp_path: Path, url: st
         assert result.exit_code == 2, (args, result.stderr)
         assert result.stderr.startswith(f"streamkit: error: {url}") or (
             f"invalid etcd URL '{url}'" in result.stderr), (args, result.stderr)
+
+
+def test_serve_refuses_a_store_other_than_the_deployed_one(app: AppConfig) -> None:
+    """A member started with another --store than the shards were deployed with found
+    none of their state: it recounted their sources from the start, or failed at the
+    app's first use of the other store."""
+    (app.app_dir / "app.py").write_text(
+        "from streamkit import Application\n\n\nclass WordCount(Application):\n"
+        "    def consume_message(self, shard, store, envelope, publisher):\n        pass\n")
+    result = CliRunner().invoke(cli, ["serve", str(app.app_dir), "--broker", "127.0.0.1:1",
+                                      "--store", "sqlite"])
+    assert result.exit_code == 2, result.stderr
+    assert ("refusing to serve: app " + app.name + "'s shards keep their state in the "
+            "rocksdb store") in result.stderr, result.stderr
+    assert "this member would run sqlite (--store)" in result.stderr

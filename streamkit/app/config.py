@@ -86,6 +86,7 @@ __all__ = [
     "PARTITION_PER_SHARD",
     "SKIP",
     "STORE_KINDS",
+    "STORE_LABEL",
     "TOPIC_LABEL",
     "AppConfig",
     "ConfigError",
@@ -227,6 +228,8 @@ Policy = Literal["fail", "skip", "dead-letter"]
 # "<topic>:<policy>", and the journal dead letters go to: `streamkit run` writes
 # them from streamkit.yaml, the shard's transaction loop reads them.
 ON_UNDECODABLE_LABEL = "app.streamkit.dev/on-undecodable"
+# On shard specs: the store kind the shards' state is kept in (members must run it).
+STORE_LABEL = "app.streamkit.dev/store"
 ON_CONSUME_ERROR_LABEL = "app.streamkit.dev/on-consume-error"
 DEAD_LETTERS_LABEL = "app.streamkit.dev/dead-letters"
 
@@ -726,7 +729,8 @@ class AppConfig(_Model):
                 hint_prefix=self.hint_prefix,
                 hint_backups=HINT_BACKUPS,
                 hot_standbys=self.standbys,
-                labels=label_set((APP_LABEL, self.name), *self._policy_labels()),
+                labels=label_set((APP_LABEL, self.name), (STORE_LABEL, self.store_kind),
+                                 *self._policy_labels()),
             )
             spec.max_txn_duration.FromTimedelta(self.transactions.max_duration)
             spec.min_txn_duration.FromTimedelta(self.transactions.min_duration)

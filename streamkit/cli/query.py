@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from streamkit.app.config import load_config
-from streamkit.app.layout import deployed_config
+from streamkit.app.layout import deployed_config, read_layout
 from streamkit.app.loader import app_location
 from streamkit.app.member_http import open_member_url
 from streamkit.app.resolver import Primary, Resolver
@@ -110,6 +110,10 @@ async def query(app_dir: Path, request: str, key: str | None, shard: str | None,
         config = await deployed_config(config, ks)  # the shards as deployed, not the file's
         resolver = Resolver(config, ks)
         primaries = await resolver.primaries()
+        if not primaries and await read_layout(ks, config.keyspace_root) is None:  # a typo?
+            raise CliError(f"app {config.name} has no shards in KeySpace {keyspace} (under "
+                           f"{config.keyspace_root}): is --keyspace's prefix right, or has "
+                           f"the app not run with it yet?")
         if key is not None:
             try:
                 shard = resolver.shard_of(key)

@@ -447,7 +447,8 @@ async def _stat(access: ShardAccess, shard: str, read_through: dict[str, int],
                 raise CliError(f"shard {shard} did not read through the given offsets within "
                                f"{timeout:g}s") from None
             raise CliError(f"shard {shard}'s primary {unreachable.where} did not answer "
-                           f"within {timeout:g}s (stopped, or busy recovering?)") from None
+                           f"within {timeout:g}s (stopped, busy recovering, or a hook of the "
+                           f"app stuck? see the member's log)") from None
         if err.code() == grpc.StatusCode.UNAVAILABLE:
             raise CliError(f"cannot reach shard {shard}'s primary {unreachable.where}: "
                            f"{details}") from None
@@ -483,7 +484,15 @@ async def stat_cmd(shard: str, read_through: tuple[tuple[str, int], ...], timeou
     past those offsets (read-your-writes after publishing).
     """
     async with reached(app_dir, keyspace_url, root, consumer, security) as access:
-        response, member, endpoint = await _stat(access, shard, dict(read_through), timeout)
+        try:
+            response, member, endpoint = await _stat(access, shard, dict(read_through), timeout)
+        except CliError as error:
+            listed = (await _current(access)).get(shard) if "NO_SHARD_PRIMARY" in str(
+                error) else None
+            if listed is not None and listed.spec.disable:
+                raise CliError(f"shard {shard} is disabled (its spec's `disable`): no primary "
+                               "serves it (NO_SHARD_PRIMARY)") from None
+            raise
     try:
         extension = json.loads(response.extension) if response.extension else {}
     except ValueError:
