@@ -221,11 +221,9 @@ async def test_a_kernel_port_whose_neighbour_is_taken_is_passed_over_quietly(
                 http.close()
 
     monkeypatch.setattr(member_apis, "listen", http_above_a_taken_port)
-    tried = []
-    monkeypatch.setattr(Security, "add_port", lambda self, server, address: tried.append(address))
     try:
         assert await member_apis._bind_pair("127.0.0.1", 0, Security()) is None
-        assert tried == [] and "Failed to add port" not in capfd.readouterr().err
+        assert "Failed to add port" not in capfd.readouterr().err
     finally:
         for sock in taken:
             sock.close()

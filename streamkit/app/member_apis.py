@@ -89,32 +89,18 @@ async def _bind_pair(
             err.errno, f"cannot listen on {_address(host, port + 1)} for HTTP: {err.strerror}"
         ) from None
     grpc_port = port or http.getsockname()[1] - 1
-    if not port and not _free(host, grpc_port):  # (grpc would log its failure to stderr)
-        http.close()
-        return None
     server = _grpc_server(security)
     try:
-        bound = security.add_port(server, _address(host, grpc_port)) if grpc_port > 0 else 0
-    except RuntimeError:  # grpc's "Failed to bind"
-        bound = 0
-    if bound == grpc_port:
-        return server, http
-    http.close()
-    await server.stop(None)  # nothing bound: this only releases the server
-    if port:
-        raise OSError(f"cannot listen on {_address(host, port)} for gRPC (is the port in use?)")
-    return None
-
-
-def _free(host: str, port: int) -> bool:
-    """Whether nothing listens on `port` (a guess: it may be taken before gRPC binds)."""
-    if port <= 0:
-        return False
-    try:
-        listen(host, port).close()
+        if grpc_port <= 0:  # (the kernel gave the HTTP port 1)
+            raise OSError("no port below the HTTP one")
+        security.add_port(server, host, grpc_port)
     except OSError:
-        return False
-    return True
+        http.close()
+        await server.stop(None)  # nothing bound: this only releases the server
+        if port:
+            raise
+        return None
+    return server, http
 
 
 def _primary_elsewhere(member: Member, shard: str) -> str | None:

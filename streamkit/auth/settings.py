@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from streamkit.errors import StreamkitError
+from streamkit.sockets import listen
 
 if TYPE_CHECKING:
     # Imported where used: a command parses its options into a Security before it needs
@@ -155,11 +156,27 @@ class Security:
 
         return [ServerAuth(self.keys, capabilities)] if self.keys is not None else []
 
-    def add_port(self, server: grpc.aio.Server, address: str) -> int:
-        """Listen on `address` (host:port) with TLS if configured; returns the port."""
-        if self.server_tls is not None:
-            return server.add_secure_port(address, self.server_tls.grpc_credentials())
-        return server.add_insecure_port(address)
+    def add_port(self, server: grpc.aio.Server, host: str, port: int) -> int:
+        """Listen on host:port with TLS if configured; the port. OSError naming the address
+        and why when it can't: a port something listens on is found out first, as gRPC's
+        core would print its own failure on stderr (in the middle of a command's output)."""
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if port > 0:
+            try:
+                listen(host, port).close()
+            except OSError as err:
+                raise OSError(f"cannot listen on {address} for gRPC: "
+                              f"{err.strerror or err}") from None
+        try:
+            if self.server_tls is not None:
+                bound = server.add_secure_port(address, self.server_tls.grpc_credentials())
+            else:
+                bound = server.add_insecure_port(address)
+        except RuntimeError:  # gRPC's "Failed to bind"
+            bound = 0
+        if not bound:
+            raise OSError(f"cannot listen on {address} for gRPC (is the port in use?)")
+        return bound
 
     def endpoint(self, host: str, port: int) -> str:
         """The address a server listening on `host` advertises: `https://` with TLS, else

@@ -132,17 +132,7 @@ class Broker:
             options=cfg.security.grpc_server_options(),
         )
         pb_grpc.add_JournalServicer_to_server(self.service, self.server)
-        try:
-            listen(cfg.host, cfg.port).close()  # taken? (else gRPC's core prints its failure)
-        except OSError as err:
-            raise OSError(f"cannot listen on {cfg.host}:{cfg.port}: "
-                          f"{err.strerror or err}") from None
-        try:
-            bound = cfg.security.add_port(self.server, f"{cfg.host}:{cfg.port}")
-        except RuntimeError:
-            bound = 0
-        if bound == 0:
-            raise OSError(f"cannot listen on {cfg.host}:{cfg.port} (is the port in use?)")
+        cfg.security.add_port(self.server, cfg.host, cfg.port)
         await self.server.start()
         if cfg.gateway_port:
             try:
