@@ -263,17 +263,10 @@ async def _report_failure(cause: BaseException | None, unsettled: Unsettled,
             unappended.write(line)
         for line in rest:
             unappended.write(line)
-        if interrupted is False:  # a pipe is read no further: the lines read are kept
-            buffered, piece = await lines.buffered()
-            for line in buffered:
-                unappended.write(line + b"\n")
-            hint = (f"; those, and the lines read after line {read:,}, are in "
-                    f"{unappended.name}; the input after them was not read"
-                    + (f" ({len(piece):,} bytes of a line begun were)" if piece else ""))
-        else:
-            await lines.copy_rest(unappended)
-            hint = (f"; those, and the input after line {read:,}, are in {unappended.name}: "
-                    "append it with the same options to finish")
+        # (interrupted is False: a pipe, read no further)
+        hint = await lines.keep_unread(unappended, interrupted is False, read)
+        if interrupted is not False:
+            hint += ": append it with the same options to finish"
     if interrupted is not None:
         raise CliError(f"interrupted: {account}{hint}", INTERRUPTED)
     raise CliError(f"{describe(cause)}; {account}{hint}")

@@ -132,6 +132,20 @@ class LineInput:
             for line in lines:
                 out.write(line + b"\n")
 
+    async def keep_unread(self, out: IO[bytes], stopped: bool, read: int) -> str:
+        """Write the input not handed out to `out`: if `stopped` (a pipe, read no further),
+        the lines read ahead; else the rest of the input. The account's words for what
+        `out` holds after line `read`."""
+        if stopped:
+            buffered, piece = await self.buffered()
+            for line in buffered:
+                out.write(line + b"\n")
+            return (f"; those, and the lines read after line {read:,}, are in {out.name}; "
+                    "the input after them was not read"
+                    + (f" ({len(piece):,} bytes of a line begun were)" if piece else ""))
+        await self.copy_rest(out)
+        return f"; those, and the input after line {read:,}, are in {out.name}"
+
 
 def regular_file(source: IO[bytes]) -> bool:
     """Whether `source` is a file (not a pipe or terminal): its unread rest can be kept."""

@@ -202,19 +202,12 @@ async def _report_failure(cause: BaseException | None, unsettled: _Unsettled,
                 "(--unpublished FILE writes the lines not committed, and the rest of the "
                 "input, to publish once)")
     else:
-        for _, line in failed:
+        for line in [*(line for _, line in failed), *rest]:
             unpublished.write(line + b"\n")
-        if interrupted is False:  # a pipe is read no further: the lines read are kept
-            buffered, piece = await batches.buffered()
-            for line in [*rest, *buffered]:
-                unpublished.write(line + b"\n")
-            hint = (f"; those, and the lines read after line {read:,}, are in "
-                    f"{unpublished.name}; the input after them was not read"
-                    + (f" ({len(piece):,} bytes of a line begun were)" if piece else ""))
-        else:
-            await _keep_rest(rest, batches, unpublished)
-            hint = (f"; those, and the input after line {read:,}, are in {unpublished.name}: "
-                    "publish it to finish")
+        # (interrupted is False: a pipe, read no further)
+        hint = await batches.keep_unread(unpublished, interrupted is False, read)
+        if interrupted is not False:
+            hint += ": publish it to finish"
     if interrupted is not None:
         raise CliError(f"interrupted: {account}{hint}", INTERRUPTED)
     try:
