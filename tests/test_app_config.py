@@ -829,3 +829,26 @@ async def test_a_broker_without_the_recovery_logs_the_hints_name_is_refused(
                 assert await load_hints(keyspace, config.shard_specs()[0]) == []
     finally:
         other.kill()
+
+
+async def test_deploying_at_a_silent_broker_says_so_before_giving_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`run --broker` at an address where nothing answers: it says so after a few seconds,
+    while still trying (it was silent for the whole 30 s), then fails naming the broker."""
+    from streamkit.cli import run as run_module
+    from streamkit.cli.errors import CliError
+    from streamkit.client import BrokerClient
+    from streamkit.keyspace import open_keyspace
+    from tests.brokerproc import free_port
+    from tests.e2e import copy_wordcount
+
+    monkeypatch.setattr(run_module, "_SAY_WAITING", 0.3)
+    config = load_config(copy_wordcount(tmp_path / "app"))
+    broker = f"127.0.0.1:{free_port()}"
+    async with BrokerClient(broker) as client, open_keyspace(str(tmp_path / "ks.db")) as ks:
+        with pytest.raises(CliError, match=f"cannot set up the app's journals at broker {broker}"):
+            await run_module.deploy_when_ready(config, client, ks, broker, timeout=1.5)
+    err = capsys.readouterr().err
+    assert f"broker {broker} does not answer (UNAVAILABLE); still trying" in err, err
+    assert err.count("does not answer") == 1

@@ -242,19 +242,25 @@ async def deploy_when_ready(config: AppConfig, client: BrokerClient, keyspace: K
     from streamkit.client import TransportError
 
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    began = loop.time()
+    said = False
     while True:
         try:
             await deploy(config, client, keyspace, adopt)
             return
         except TransportError as err:
-            if err.code not in _NOT_YET or loop.time() > deadline:
+            if err.code not in _NOT_YET or loop.time() > began + timeout:
                 raise CliError(f"cannot set up the app's journals at broker {broker}: "
                                f"{err.code}: {err.details}") from None
+            if not said and loop.time() > began + _SAY_WAITING:  # not just starting
+                said = True
+                warn(f"broker {broker} does not answer ({err.code}); still trying for "
+                     f"{timeout - _SAY_WAITING:.0f}s (is it running, and is this its address?)")
             await asyncio.sleep(0.25)
 
 
 _NOT_YET = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+_SAY_WAITING = 3.0  # seconds of a broker not answering before saying so
 
 
 def _exit_stuck(stuck: list[Stuck], children: Callable[[], list[Child]] = list) -> None:
