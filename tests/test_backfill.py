@@ -788,6 +788,11 @@ async def test_cli_plan_and_clear_errors(broker_proc: BrokerProcess, tmp_path: P
     assert (part3["begin"], part3["end"]) == (0, 100)
     bad_end = await asyncio.to_thread(_cli, str(app), "--plan", *where, "--end", "oops")
     assert bad_end.returncode == 2 and "expected JOURNAL=OFFSET" in bad_end.stderr
+    elsewhere = [*where[:2], "--keyspace", str(tmp_path / "missing.db"), *where[4:]]
+    no_keyspace = await asyncio.to_thread(_cli, str(app), "--plan", *elsewhere)
+    assert no_keyspace.returncode == 1, no_keyspace.stderr
+    assert "missing.db: no such KeySpace file" in no_keyspace.stderr
+    assert not (tmp_path / "missing.db").exists()  # named, not made
 
     missing = await asyncio.to_thread(_cli, str(tmp_path / "nowhere"), "--spark")
     assert missing.returncode == 2 and "streamkit.yaml: no such file" in missing.stderr

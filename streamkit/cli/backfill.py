@@ -35,6 +35,7 @@ from streamkit.app.store_kinds import STORE_KINDS
 from streamkit.auth.settings import Security, is_loopback
 from streamkit.auth.tls import parse_address
 from streamkit.broker.data_lock import data_dir_holder
+from streamkit.cli.app_keyspace import app_keyspace
 from streamkit.cli.backfill_progress import Progress
 from streamkit.cli.children import Child, port_in_use
 from streamkit.cli.errors import DATA_ERROR, CliError, async_command, warn
@@ -228,6 +229,8 @@ async def backfill(app_dir: Path, use_spark: bool, processes: int | None, plan_o
             warn(f"--store {store}: the app's store is {usual} (streamkit.yaml, or the app's "
                  f"class): run it with --store {store} too, or its shards will not find the "
                  "state this backfill hands over, and will read their sources afresh")
+        if keyspace is not None:  # a file named must be there (opening would make one)
+            keyspace = app_keyspace(config, app_dir, keyspace)
         keyspace_url = keyspace_url_of(config, keyspace)
         async with (
             _broker(config, broker, port, keyspace_url, fragment_root,
