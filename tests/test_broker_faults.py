@@ -350,6 +350,33 @@ def test_an_appender_waiting_for_the_journal_is_not_charged_for_the_wait() -> No
     assert "sent 65536 bytes in 5.5s, below the minimum rate" in str(pace.timed_out("j"))
 
 
+def test_an_append_whose_journal_is_deleted_meanwhile_is_not_acknowledged(
+        shared_broker: BrokerProcess) -> None:
+    """The journal is deleted while an append's content comes in: the append answers
+    JOURNAL_NOT_FOUND. It was acknowledged (OK, with its offsets) into a journal gone."""
+    import threading
+
+    journals = wire.stub(shared_broker.address)
+    wire.create(journals, wire.spec("gone/mid-append"))
+    deleted = threading.Event()
+
+    def content() -> Iterator[pb.AppendRequest]:
+        yield pb.AppendRequest(journal="gone/mid-append")
+        yield pb.AppendRequest(content=b"s" * 100_000)
+        deleted.wait(10)
+        yield pb.AppendRequest(content=b"t" * 100_000)
+        yield pb.AppendRequest()
+
+    answer: list[pb.AppendResponse] = []
+    appending = threading.Thread(target=lambda: answer.append(journals.Append(content())))
+    appending.start()
+    time.sleep(0.3)  # (the append holds the journal, its first chunk in)
+    wire.delete(journals, "gone/mid-append")
+    deleted.set()
+    appending.join(10)
+    assert answer and answer[0].status == pb.JOURNAL_NOT_FOUND, answer
+
+
 def test_gazette_request_rules_for_appends(shared_broker: BrokerProcess) -> None:
     journals = wire.stub(shared_broker.address)
     wire.create(journals, wire.spec("rules/append"))

@@ -133,6 +133,10 @@ async def append(
             # before the next append may write at the same offset.
             await settle(txn.discard())
             raise
+        if replica.deleted:  # while its content came in: acknowledged, it would be lost
+            await settle(txn.discard())
+            metrics.APPEND_FAILURES.labels(pb.Status.Name(pb.JOURNAL_NOT_FOUND)).inc()
+            return pb.AppendResponse(status=pb.JOURNAL_NOT_FOUND, header=header)
         registers = _new_registers(replica, request) if txn.length else None
         # Once the commit record may be written, the commit runs to its end even if
         # the caller goes away: releasing the lock half-way would let the next
