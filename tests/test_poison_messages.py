@@ -28,6 +28,7 @@ from streamkit.app.config import (
     FAIL,
     ON_UNDECODABLE_LABEL,
     SKIP,
+    STORE_LABEL,
     AppConfig,
     ConfigError,
 )
@@ -117,7 +118,8 @@ def test_a_bad_policy_is_refused_naming_the_field() -> None:
 
 def test_policies_reach_the_shard_specs_and_dead_letters_get_a_journal() -> None:
     plain = AppConfig.parse(_document())
-    assert [label.name for label in plain.shard_specs()[0].labels.labels] == ["app"]
+    names = [label.name for label in plain.shard_specs()[0].labels.labels]
+    assert names == ["app", STORE_LABEL]  # (no policy labels for the defaults)
     assert DEAD_LETTERS not in [spec.name for spec in plain.journal_specs()]
 
     config = AppConfig.parse(_document(on_undecodable=DEAD_LETTER, on_consume_error=SKIP))

@@ -137,8 +137,9 @@ async def test_a_worker_killed_is_reported_and_restarted(tmp_path: Path) -> None
 
             async def both_serve() -> bool:
                 state = await view.state()
-                return {state.primary_of(s).suffix
-                        for s in view.config.shard_ids()} == {"worker-0", "worker-1"}
+                primaries = [state.primary_of(s) for s in view.config.shard_ids()]
+                return None not in primaries and {p.suffix for p in primaries if p} == {
+                    "worker-0", "worker-1"}
 
             await eventually(both_serve, 60, "the restarted worker to serve shards again")
             more = Feeder(app, address, tmp_path / "feed-2.log", start=ids.stop, count=200,

@@ -2,9 +2,11 @@
 
 The reads run on a daemon thread, not the loop's executor: a read waiting on an idle pipe or
 terminal must not hold up the command's exit (asyncio joins its executor's threads), and
-Ctrl-C must be seen while it waits. Chunks go to the loop through a small queue, so a slow
-command holds back the reading. On a stop, `buffered` hands over what was read and not
-yet used, without waiting for more: nothing read is dropped.
+Ctrl-C must be seen while it waits. Chunks go to the loop as plain callbacks (no coroutine
+is made on the thread: one the loop never ran, closing, was reported as never awaited) and
+a semaphore keeps a few chunks at most ahead, so a slow command holds back the reading. On
+a stop, `buffered` hands over what was read and not yet used, without waiting for more:
+nothing read is dropped.
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ class LineInput:
 
     def __init__(self, source: IO[bytes], read_size: int = READ_SIZE) -> None:
         self.file = regular_file(source)  # (else a pipe or terminal, read no further on a stop)
-        self._queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue(_QUEUED)
+        self._queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+        self._room = threading.Semaphore(_QUEUED)  # released as the loop takes a chunk
         self._pieces: list[bytes] = []  # a line's start, joined once its end is read: a long
         self._ended = False             # line is copied once, not at each read
         # The reader's hand-over, under the lock: once `_stopping`, it reads nothing more;
-        # while `_handing`, it holds a chunk read that is on its way to the queue.
+        # `_handing` counts chunks read that are on their way to the queue.
         self._lock = threading.Lock()
-        self._stopping = self._handing = False
+        self._stopping = False
+        self._handing = 0
         loop = asyncio.get_running_loop()
         threading.Thread(target=self._read, args=(loop, source, read_size), daemon=True,
                          name="input-reader").start()
@@ -49,28 +53,34 @@ class LineInput:
             poll.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         item: bytes | BaseException | None
         while True:
-            # A read only once there is something to read (or the end): a stop meanwhile
-            # is seen within a tenth of a second, and nothing is read after it.
-            if poll is not None and not poll.poll(100):
+            # A read only once there is room and something to read (or the end): a stop
+            # meanwhile is seen within a tenth of a second, and nothing is read after it.
+            while not self._room.acquire(timeout=0.1):
                 if self._stopping:
                     return
-                continue
+            while poll is not None and not poll.poll(100):
+                if self._stopping:
+                    return
             with self._lock:
                 if self._stopping:
                     return
-                self._handing = True
+                self._handing += 1
             try:
-                try:
-                    item = read(size) or None
-                except Exception as error:  # (an unreadable input: the command says so)
-                    item = error
-                asyncio.run_coroutine_threadsafe(self._queue.put(item), loop).result()
-            except Exception:  # the loop ended: nobody reads any more
+                item = read(size) or None
+            except Exception as error:  # (an unreadable input: the command says so)
+                item = error
+            try:
+                loop.call_soon_threadsafe(self._hand, item)
+            except RuntimeError:  # the loop ended: nobody reads any more
                 return
-            finally:
-                self._handing = False
             if not isinstance(item, bytes):
                 return
+
+    def _hand(self, item: bytes | BaseException | None) -> None:
+        """On the loop: a chunk read joins the queue."""
+        self._queue.put_nowait(item)
+        with self._lock:
+            self._handing -= 1
 
     async def batch(self, stop: asyncio.Event | None = None) -> list[bytes] | None:
         """The next lines read; None at the input's end, or once `stop` is set while the
@@ -95,6 +105,7 @@ class LineInput:
         return None
 
     def _take(self, item: bytes | BaseException | None) -> list[bytes]:
+        self._room.release()
         if isinstance(item, BaseException):
             raise item
         if item is None:
