@@ -435,14 +435,15 @@ async def _counting(client: BrokerClient, tmp_path: Path, lines: list[str]
 async def test_a_changed_spec_restarts_the_primary(shared_broker: Any, tmp_path: Path) -> None:
     """`shards apply` of a running primary's spec: it restarts (committing first) and reads
     by the new spec. It read on by the old one until some later failover, where a bad
-    change (a missing journal) then failed it. A change of labels alone restarts nothing."""
+    change (a missing journal) then failed it. A change of the labels naming the app (or
+    its store) restarts nothing: no replica reads them."""
     async with BrokerClient(shared_broker.address) as client:
         service, specs, journals = await _counting(client, tmp_path, ["a b"] * 5)
         before = service.replicas["shard-000"]
         labeled = {sid: consumer_pb.ShardSpec() for sid in specs}
         for sid, spec in specs.items():
             labeled[sid].CopyFrom(spec)
-            labeled[sid].labels.labels.add(name="team", value="x")
+            labeled[sid].labels.labels.add(name="app", value="x")
         await service.assign(labeled, {sid: 0 for sid in specs})
         assert service.replicas["shard-000"] is before
 

@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 
+from streamkit.app.config import APP_LABEL, STORE_LABEL
 from streamkit.app.replica import STOP_TIMEOUT, Replica, Runtime
 from streamkit.app.txn import TransactionFailed, TransactionLoop
 from streamkit.protocol import consumer_pb
@@ -41,32 +42,34 @@ class Service:
     async def assign(
         self, specs: Mapping[str, consumer_pb.ShardSpec], slots: Mapping[str, int]
     ) -> None:
-        """Make the running replicas match `slots` (shard id -> slot; absent: not here)."""
-        for shard_id in list(self.replicas):
-            if shard_id not in slots:
-                await self._drop(shard_id)
+        """Make the running replicas match `slots` (shard id -> slot; absent: not here).
+
+        Replicas that must go (not assigned here now, or restarting) stop together, each
+        committing what it consumed, before the replicas of `slots` start."""
+        dropping = [shard_id for shard_id in self.replicas if shard_id not in slots]
+        for shard_id, slot in slots.items():
+            replica = self.replicas.get(shard_id)
+            if replica is None:
+                continue
+            if replica.stopping:
+                # Abandoned (its member's lease was in doubt, and is answered for again): it
+                # serves no more, so a replica of the assignment starts afresh.
+                dropping.append(shard_id)
+            elif slot != 0 and (_restarts(replica.shard.spec, specs[shard_id])
+                                or self._slots.get(shard_id, 0) == 0):
+                # A changed spec restarts a standby from scratch; so does a primary
+                # demoted to standby (a hand-off): it stops and catches up anew.
+                dropping.append(shard_id)
+            elif slot == 0 and _restarts(replica.shard.spec, specs[shard_id]):
+                # A primary (or a FAILED one) reads by its spec as it started: a change
+                # (sources, durations, policies) takes effect once it restarts, committing
+                # first. (A standby promoted as its spec changes starts afresh as primary.)
+                log.info("shard %s: its spec changed: restarting its primary", shard_id)
+                dropping.append(shard_id)
+        await asyncio.gather(*(self._drop(shard_id) for shard_id in dropping))
         for shard_id, slot in slots.items():
             spec = specs[shard_id]
             replica = self.replicas.get(shard_id)
-            if replica is not None and replica.stopping:
-                # Abandoned (its member's lease was in doubt, and is answered for again): it
-                # serves no more, so a replica of the assignment starts afresh.
-                await self._drop(shard_id)
-                replica = None
-            if replica is not None and slot != 0 and (
-                replica.shard.spec != spec or self._slots.get(shard_id, 0) == 0
-            ):
-                # A changed spec restarts a standby from scratch; so does a primary
-                # demoted to standby (a hand-off): it stops and catches up anew.
-                await self._drop(shard_id)
-                replica = None
-            elif replica is not None and slot == 0 and _restarts(replica.shard.spec, spec):
-                # A primary (or a FAILED one) reads by its spec as it started: a change
-                # (sources, durations) takes effect once it restarts, committing first.
-                # (A standby promoted as its spec changes starts afresh as primary.)
-                log.info("shard %s: its spec changed: restarting its primary", shard_id)
-                await self._drop(shard_id)
-                replica = None
             if replica is None:
                 replica = self.replicas[shard_id] = Replica(self.runtime, spec)
                 self._watchers[shard_id] = asyncio.create_task(self._watch(replica))
@@ -133,16 +136,22 @@ class Service:
 
 
 def _restarts(old: consumer_pb.ShardSpec, new: consumer_pb.ShardSpec) -> bool:
-    """Whether a primary must restart to follow a spec change: any change but its labels'
-    and its standby count's (the allocator's business, not the primary's)."""
+    """Whether a replica must restart to follow a spec change: any change but its standby
+    count's (the allocator's business) and its labels naming the app and its store (which
+    it does not read; a source's policies, also labels, it does)."""
     def running_part(spec: consumer_pb.ShardSpec) -> consumer_pb.ShardSpec:
         part = consumer_pb.ShardSpec()
         part.CopyFrom(spec)
-        part.ClearField("labels")
         part.ClearField("hot_standbys")
+        kept = [label for label in part.labels.labels if label.name not in _UNREAD_LABELS]
+        part.ClearField("labels")
+        part.labels.labels.extend(kept)
         return part
 
     return old != new and running_part(old) != running_part(new)
+
+
+_UNREAD_LABELS = (APP_LABEL, STORE_LABEL)
 
 
 async def _outcome(shard_id: str, loop: TransactionLoop) -> None:
