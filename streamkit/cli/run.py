@@ -233,6 +233,9 @@ async def _supervise_worker(worker: Supervisor) -> None:
         await worker.run()
     except CliError as error:
         warn(f"{error}; the other members serve its shards")
+    except Exception as error:  # (it could not even be started again: out of processes)
+        warn(f"{worker.child.name}: restarting it failed: {type(error).__name__}: {error}; "
+             "the other members serve its shards")
 
 
 async def deploy_when_ready(config: AppConfig, client: BrokerClient, keyspace: KeySpace,
@@ -729,7 +732,8 @@ async def serve(app_dir: Path, broker: str, keyspace: str | None, shards: int | 
             warn(f"app {config.name} has no shards deployed in KeySpace {keyspace} (under "
                  f"{config.keyspace_root}): this member serves none until `streamkit deploy "
                  f"{app_dir}` with this --keyspace puts them there (is the URL's prefix right?)")
-        await _check_deployed_store(config, ks, store)
+        if not worker_of_run:  # (run deploys its store kind as its workers start)
+            await _check_deployed_store(config, ks, store)
         await _check_broker_accepts(client, broker, security)
         async with _member(config, app_class, client, ks, suffix=suffix, zone=zone,
                            lease_ttl=lease_ttl, broker_file_root=file_root, security=security,

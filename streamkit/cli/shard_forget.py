@@ -59,6 +59,8 @@ async def forget_cmd(shard_ids: tuple[str, ...], app_dir: Path, keyspace_url: st
     again. Stop the app first: shards with a member assigned are refused.
     """
     config = load_config(app_dir)
+    if config.store.kind is None:  # (the app's class names it, or the default does)
+        config = config.for_application(config.load_application())
     if config.store_kind != "sql":
         raise CliError(f"shards forget is for apps with the sql store ({app_dir} has "
                        f"{config.store_kind}, kept in its recovery logs)", DATA_ERROR)

@@ -487,8 +487,10 @@ async def stat_cmd(shard: str, read_through: tuple[tuple[str, int], ...], timeou
         try:
             response, member, endpoint = await _stat(access, shard, dict(read_through), timeout)
         except CliError as error:
-            listed = (await _current(access)).get(shard) if "NO_SHARD_PRIMARY" in str(
-                error) else None
+            listed = None
+            if "NO_SHARD_PRIMARY" in str(error):
+                with contextlib.suppress(Exception):  # (a token that may not list, say)
+                    listed = (await _current(access)).get(shard)
             if listed is not None and listed.spec.disable:
                 raise CliError(f"shard {shard} is disabled (its spec's `disable`): no primary "
                                "serves it (NO_SHARD_PRIMARY)") from None
