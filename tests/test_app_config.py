@@ -790,11 +790,13 @@ async def test_a_broker_without_the_recovery_logs_the_hints_name_is_refused(
     """`run --broker` at another broker (a typo, another app's): the KeySpace's hints say the
     shards recorded state in logs that broker lacks. Deploying there made empty logs, the
     shards started from nothing and overwrote their hints (back on the right broker they
-    never recovered). It is refused, naming a log and its hinted end, unless adopted."""
+    never recovered). It is refused, naming a log and its hinted end, unless adopted. So is
+    a log shorter than its hints (content lost), adopted or not: adopting would play back
+    what is left of it, an older state."""
     from streamkit.app.deploy import RecoveryLogMissing
     from streamkit.app.hints import load_hints, store_primary_hints
     from streamkit.app.member import deploy
-    from streamkit.client import BrokerClient
+    from streamkit.client import BrokerClient, append_bytes
     from streamkit.client.listing import list_journals
     from streamkit.keyspace import open_keyspace
     from streamkit.protocol import pb
@@ -815,6 +817,12 @@ async def test_a_broker_without_the_recovery_logs_the_hints_name_is_refused(
             async with BrokerClient(broker_proc.address) as client:
                 await deploy(config, client, keyspace)
                 await store_primary_hints(keyspace, config.shard_specs()[0], hints)
+                for adopt in (False, True):
+                    with pytest.raises(RecoveryLogMissing, match=(
+                            rf"recovery log {log} on broker .* ends at offset 0, but .*"
+                            r"through offset 4,096: content is lost;.*`delete: true`")):
+                        await deploy(config, client, keyspace, adopt=adopt)
+                await append_bytes(client, log, b"x" * 4096)
                 await deploy(config, client, keyspace)  # the app's broker: fine
                 await deploy(config, client, keyspace, adopt=True)  # nothing lost
                 assert await load_hints(keyspace, config.shard_specs()[0]) == [hints]

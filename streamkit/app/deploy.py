@@ -17,6 +17,7 @@ as they may be another KeySpace's.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterable
 
@@ -25,6 +26,7 @@ from streamkit.app.config import DEPLOYMENT_LABEL
 from streamkit.app.hints import decode_hints
 from streamkit.client import BrokerClient
 from streamkit.client.listing import apply_journals, list_journals
+from streamkit.client.reader import read_write_head
 from streamkit.errors import StreamkitError
 from streamkit.keyspace.keyspace import Compare, DeletePrefix, KeySpace, Put
 from streamkit.protocol import consumer_pb, pb
@@ -32,21 +34,19 @@ from streamkit.protocol.labels import label_set
 from streamkit.protocol.spec import JournalSpec
 
 __all__ = ["DeploymentConflict", "RecoveryLogMissing", "check_recovery_logs", "deployment_id",
-           "ensure_journals", "ensure_shard_specs", "forget_lost_logs", "recorded_logs"]
+           "ensure_journals", "ensure_shard_specs", "forget_lost_logs", "lost_logs",
+           "recorded_logs"]
 
 
 async def ensure_journals(client: BrokerClient, specs: Iterable[JournalSpec],
-                          adopt: bool = False, adopt_unlabeled: bool = True,
-                          recorded: dict[str, int] | None = None) -> int:
+                          adopt: bool = False, adopt_unlabeled: bool = True) -> int:
     """Create missing journals and update changed ones, in one Apply; how many changed.
     Lists just these journals, by name: not every journal of the broker.
 
     A retention an operator gave an existing journal (`journals apply`) is kept where the
     spec sets none: streamkit.yaml has no say in it, and each start reset it to none.
     A recovery log of another deployment is a DeploymentConflict, unless `adopt`, and
-    so is one labeled by no deployment, unless `adopt_unlabeled`; so is a log missing here
-    that `recorded` (log -> the end of its content the KeySpace's hints name) says holds
-    a shard's state."""
+    so is one labeled by no deployment, unless `adopt_unlabeled`."""
     protos = [spec.to_proto() for spec in specs]
     if not protos:
         return 0
@@ -54,11 +54,6 @@ async def ensure_journals(client: BrokerClient, specs: Iterable[JournalSpec],
     if not adopt:
         _check_deployment(protos, {name: j.spec for name, j in existing.items()},
                           adopt_unlabeled)
-        names = {proto.name for proto in protos}
-        lost = {log: end for log, end in (recorded or {}).items()
-                if log in names and log not in existing}
-        if lost:
-            raise RecoveryLogMissing(lost, client.address)
     changes = []
     for proto in protos:
         current = existing.get(proto.name)
@@ -122,34 +117,68 @@ class DeploymentConflict(StreamkitError):
 
 
 class RecoveryLogMissing(StreamkitError):
-    """Recovery logs the KeySpace's hints say hold shards' state are not on this broker."""
+    """Recovery logs the KeySpace's hints say hold shards' state are not on this broker,
+    or hold less there than the hints name."""
 
-    def __init__(self, lost: dict[str, int], broker: str) -> None:
-        (first, end), *_ = sorted(lost.items())
+    def __init__(self, lost: dict[str, int | None], recorded: dict[str, int], broker: str,
+                 adopting: bool = False) -> None:
+        first, head = min(lost.items())
+        end = recorded[first]
         more = f" (and {len(lost) - 1} more)" if len(lost) > 1 else ""
-        super().__init__(
-            f"recovery log {first}{more} is not on broker {broker}, but this KeySpace's "
-            f"hints say its shard recorded its state there (through offset {end:,}): is "
-            f"this the app's broker? Its shards would start from an empty state here, and "
-            f"overwrite their hints. If the logs were lost for good, `streamkit deploy "
-            f"--adopt-recovery-logs` makes them anew (the shards then start from nothing)")
+        if head is None:
+            super().__init__(
+                f"recovery log {first}{more} is not on broker {broker}, but this KeySpace's "
+                f"hints say its shard recorded its state there (through offset {end:,}): is "
+                f"this the app's broker? Its shards would start from an empty state here, "
+                f"and overwrite their hints. If the logs were lost for good, stop the app's "
+                f"members, then `streamkit deploy --adopt-recovery-logs` makes them anew "
+                f"(the shards then start from nothing)")
+        else:
+            way_out = (
+                "a shard can't start from what is left of it. Delete the log (`streamkit "
+                "journals apply` of its spec with `delete: true`), then deploy with "
+                "--adopt-recovery-logs again: its shard starts from nothing"
+                if adopting else
+                "is this the app's broker? If its content was lost for good, stop the "
+                "app's members, delete the log (`streamkit journals apply` of its spec with "
+                "`delete: true`), then `streamkit deploy --adopt-recovery-logs` makes it "
+                "anew (its shard then starts from nothing)")
+            super().__init__(
+                f"recovery log {first}{more} on broker {broker} ends at offset {head:,}, "
+                f"but this KeySpace's hints say its shard recorded its state there through "
+                f"offset {end:,}: content is lost; {way_out}")
         self.lost = lost
 
 
-async def forget_lost_logs(client: BrokerClient, keyspace: KeySpace,
-                           specs: Iterable[consumer_pb.ShardSpec], recorded: dict[str, int]
-                           ) -> list[str]:
-    """Delete the hints of shards whose recorded logs (`recorded_logs`) the broker lacks;
-    those logs, sorted. For an adopting deploy: the logs are made anew, and their shards
-    start from an empty state (recovery refuses hints a log falls short of)."""
+async def lost_logs(client: BrokerClient, recorded: dict[str, int]) -> dict[str, int | None]:
+    """The recorded logs (`recorded_logs`) the broker lacks (None), or whose write head is
+    short of the end their hints name (that head). Heads are asked together, each given a
+    few seconds: a log whose head can't be had is left to recovery to judge."""
     if not recorded:
-        return []
+        return {}
     existing = await _listed(client, [pb.JournalSpec(name=log) for log in recorded])
-    lost = sorted(set(recorded) - set(existing))
+    lost: dict[str, int | None] = {log: None for log in recorded if log not in existing}
+    present = sorted(set(recorded) & set(existing))
+    heads = await asyncio.gather(*(asyncio.wait_for(read_write_head(client, log), _HEAD_TIMEOUT)
+                                   for log in present), return_exceptions=True)
+    for log, head in zip(present, heads, strict=True):
+        if isinstance(head, int) and head < recorded[log]:
+            lost[log] = head
+    return lost
+
+
+_HEAD_TIMEOUT = 10.0
+
+
+async def forget_lost_logs(keyspace: KeySpace, specs: Iterable[consumer_pb.ShardSpec],
+                           lost: Iterable[str]) -> None:
+    """Delete the hints of the shards whose logs are `lost` (missing from the broker): for
+    an adopting deploy, which makes those logs anew, their shards then starting from an
+    empty state (recovery refuses hints a log falls short of)."""
+    lost = set(lost)
     for spec in specs:
         if spec.recovery_log_prefix and f"{spec.recovery_log_prefix}/{spec.id}" in lost:
             await keyspace.txn((), (DeletePrefix(f"{spec.hint_prefix}/{spec.id}."),))
-    return lost
 
 
 async def recorded_logs(keyspace: KeySpace, specs: Iterable[consumer_pb.ShardSpec]

@@ -41,10 +41,12 @@ from streamkit.app.application import Application
 from streamkit.app.assignment import Assignment, MemberId
 from streamkit.app.config import AppConfig
 from streamkit.app.deploy import (
+    RecoveryLogMissing,
     deployment_id,
     ensure_journals,
     ensure_shard_specs,
     forget_lost_logs,
+    lost_logs,
     recorded_logs,
 )
 from streamkit.app.layout import Layout, check_layout, write_layout
@@ -83,14 +85,17 @@ async def deploy(config: AppConfig, client: BrokerClient, keyspace: KeySpace,
     deployed_before = await check_layout(config, keyspace) is not None
     deployment = await deployment_id(keyspace, config.keyspace_root)
     recorded = await recorded_logs(keyspace, config.shard_specs()) if deployed_before else {}
-    if adopt and (lost := await forget_lost_logs(client, keyspace, config.shard_specs(),
-                                                 recorded)):
+    if lost := await lost_logs(client, recorded):
+        short = {log: head for log, head in lost.items() if head is not None}
+        if not adopt or short:
+            raise RecoveryLogMissing(short if adopt else lost, recorded, client.address,
+                                     adopt)
+        await forget_lost_logs(keyspace, config.shard_specs(), lost)
         log.warning("app %s: recovery log %s%s lost, made anew: its shard starts from an "
-                    "empty state (its hints deleted)", config.name, lost[0],
+                    "empty state (its hints deleted)", config.name, min(lost),
                     f" (and {len(lost) - 1} more)" if len(lost) > 1 else "")
     journals = await ensure_journals(client, config.journal_specs(deployment), adopt,
-                                     adopt_unlabeled=deployed_before,  # (refused: no layout)
-                                     recorded=recorded)
+                                     adopt_unlabeled=deployed_before)  # (refused: no layout)
     if not deployed_before:
         await write_layout(keyspace, config.keyspace_root, Layout(shards=config.shards))
     shards = await ensure_shard_specs(keyspace, config.keyspace_root, config.shard_specs())
