@@ -53,4 +53,6 @@ async def check_read_through(client: BrokerClient, shard_id: str,
                 f"{offset:,}, past its write head {head:,} on broker {client.address}: is this "
                 f"the broker it read (a backfill pointed at another broker?), or did the "
                 f"journal lose content? Reading on would skip what is appended up to "
-                f"{offset:,}")
+                f"{offset:,}. If it was lost for good, the shard can only start over from "
+                f"nothing: `streamkit shards forget` for an SQL store; for a recorded one, "
+                f"delete its recovery log, then `streamkit deploy --adopt-recovery-logs`")
