@@ -531,3 +531,40 @@ def test_members_requiring_client_certificates_say_so(mutual_app: Path,
     refused = _cli(*args, *ca, *_client_cert(pki.expired_cert, pki.expired_key))
     assert refused.returncode == 1, refused.stderr
     assert "it likely refused this client's certificate" in refused.stderr, refused.stderr
+
+
+async def test_a_tls_member_does_not_forward_a_token_in_the_clear(pki: Pki) -> None:  # noqa: F811
+    """A member serving TLS asked about a shard whose primary announces a plaintext endpoint
+    (a mixed deployment) answers 502 naming it, and sends nothing there: the caller's token,
+    sent encrypted, would have crossed the network in the clear. Without a token, or from a
+    plaintext member, the query is forwarded as before."""
+    from aiohttp import web
+
+    from streamkit.app.query_forward import forward_query
+    from streamkit.auth import ServerTls
+
+    seen: list[str | None] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response({"n": 1})
+
+    app = web.Application()
+    app.router.add_post("/query/{shard:.*}", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port + 1).start()
+    endpoint = f"grpc://127.0.0.1:{port}"
+    tls = Security(server_tls=ServerTls(pki.server_cert, pki.server_key))
+    try:
+        refused = await forward_query(endpoint, "s-1", b"{}", "Bearer secret", tls, 5)
+        assert refused.status == 502
+        assert f"primary at {endpoint} serves no TLS" in refused.body.decode()
+        assert seen == []
+        untokened = await forward_query(endpoint, "s-1", b"{}", None, tls, 5)
+        plain = await forward_query(endpoint, "s-1", b"{}", "Bearer secret", Security(), 5)
+        assert (untokened.status, plain.status) == (200, 200)
+        assert seen == [None, "Bearer secret"]
+    finally:
+        await runner.cleanup()

@@ -6,7 +6,9 @@ API, once: the forwarded request is marked, and a member receiving a marked
 request for a shard it is not primary of answers 404 instead of forwarding it
 on (the KeySpace moved the shard meanwhile; the client asks again). The
 caller's `Authorization` header travels along, so the primary checks the
-caller's own token, as if asked directly.
+caller's own token, as if asked directly; but never in the clear from a member
+serving TLS (to a member announcing a plaintext endpoint: a mixed deployment),
+where the caller sent it encrypted.
 """
 
 from __future__ import annotations
@@ -34,10 +36,16 @@ async def forward_query(
 ) -> Response:
     """The answer of the primary at Shard API `endpoint` to the query `body` about `shard`
     (its status and body as they are); 502 or 504 naming the primary when it can't be
-    reached or doesn't answer within `timeout`."""
+    reached or doesn't answer within `timeout`; 502 too, without sending it, when the
+    caller's token would leave a TLS member in the clear."""
     import aiohttp  # its client: on the first forwarded query, not at every member's start
 
     url = f"{http_url(endpoint)}/query/{quote(shard, safe='/')}"
+    if authorization and security.server_tls is not None and not url.startswith("https://"):
+        return json_response(
+            {"error": f"shard {shard}'s primary at {endpoint} serves no TLS, while this member "
+                      "does: the query's token is not forwarded in the clear (serve every "
+                      "member with TLS, or ask that member directly)"}, 502)
     headers = {"Content-Type": "application/json", FORWARDED: "1"}
     if authorization:
         headers["Authorization"] = authorization
