@@ -11,17 +11,12 @@ way the shard must stop and say so rather than skip.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-
 from streamkit.client import BrokerClient
-from streamkit.client.reader import read_write_head
+from streamkit.client.reader import write_heads
 from streamkit.protocol import consumer_pb
 from streamkit.stores.store import StoreError
 
 __all__ = ["CheckpointAhead", "check_read_through"]
-
-log = logging.getLogger(__name__)
 
 _HEAD_TIMEOUT = 10.0  # seconds to learn the write heads; the reads meet a broker that fails
 
@@ -37,16 +32,9 @@ async def check_read_through(client: BrokerClient, shard_id: str,
     read = {journal: s.read_through for journal, s in cp.sources.items() if s.read_through > 0}
     if not read:
         return
-    try:
-        async with asyncio.timeout(_HEAD_TIMEOUT):
-            heads = await asyncio.gather(*(read_write_head(client, j) for j in read),
-                                         return_exceptions=True)
-    except TimeoutError:
-        return
-    for (journal, offset), head in zip(read.items(), heads, strict=True):
-        if isinstance(head, BaseException):
-            log.debug("shard %s: no write head of %s: %s", shard_id, journal, head)
-            continue
+    heads = await write_heads(client, read, _HEAD_TIMEOUT)
+    for journal, head in heads.items():
+        offset = read[journal]
         if offset > head:
             raise CheckpointAhead(
                 f"shard {shard_id}: its checkpoint read journal {journal} through offset "

@@ -17,7 +17,6 @@ as they may be another KeySpace's.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import Iterable
 
@@ -26,7 +25,7 @@ from streamkit.app.config import DEPLOYMENT_LABEL
 from streamkit.app.hints import decode_hints
 from streamkit.client import BrokerClient
 from streamkit.client.listing import apply_journals, list_journals
-from streamkit.client.reader import read_write_head
+from streamkit.client.reader import write_heads
 from streamkit.errors import StreamkitError
 from streamkit.keyspace.keyspace import Compare, DeletePrefix, KeySpace, Put
 from streamkit.protocol import consumer_pb, pb
@@ -158,12 +157,8 @@ async def lost_logs(client: BrokerClient, recorded: dict[str, int]) -> dict[str,
         return {}
     existing = await _listed(client, [pb.JournalSpec(name=log) for log in recorded])
     lost: dict[str, int | None] = {log: None for log in recorded if log not in existing}
-    present = sorted(set(recorded) & set(existing))
-    heads = await asyncio.gather(*(asyncio.wait_for(read_write_head(client, log), _HEAD_TIMEOUT)
-                                   for log in present), return_exceptions=True)
-    for log, head in zip(present, heads, strict=True):
-        if isinstance(head, int) and head < recorded[log]:
-            lost[log] = head
+    heads = await write_heads(client, sorted(set(recorded) & set(existing)), _HEAD_TIMEOUT)
+    lost.update({log: head for log, head in heads.items() if head < recorded[log]})
     return lost
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Self
 
@@ -312,6 +313,17 @@ def _retryable(exc: BaseException) -> bool:
     if is_transient(exc):
         return True
     return isinstance(exc, OSError) and not isinstance(exc, CodecError)
+
+
+async def write_heads(client: BrokerClient, journals: Iterable[str], timeout: float
+                      ) -> dict[str, int]:
+    """The write heads of `journals` (`read_write_head`), asked together, each within
+    `timeout` seconds; a journal whose head can't be had (missing, the broker failing or too
+    slow) is left out, for the caller's reads to meet."""
+    journals = list(journals)
+    heads = await asyncio.gather(*(asyncio.wait_for(read_write_head(client, j), timeout)
+                                   for j in journals), return_exceptions=True)
+    return {j: h for j, h in zip(journals, heads, strict=True) if isinstance(h, int)}
 
 
 async def read_write_head(client: BrokerClient, journal: str) -> int:
