@@ -273,24 +273,41 @@ def _unpacked(shipped: str) -> str:
     return str(target)
 
 
+def _task_counts(sc: SparkContext, group: str) -> tuple[int, int, int]:
+    """The tasks of `group`'s jobs that are done, running and failed, as Spark tracks them."""
+    tracker = sc.statusTracker()
+    done = running = failed = 0
+    for job_id in tracker.getJobIdsForGroup(group):
+        job = tracker.getJobInfo(job_id)
+        for stage_id in job.stageIds if job else []:
+            stage = tracker.getStageInfo(stage_id)
+            if stage is not None:
+                done += stage.numCompletedTasks
+                running += stage.numActiveTasks
+                failed += stage.numFailedTasks
+    return done, running, failed
+
+
 def _report_progress(sc: SparkContext, group: str, shards: int, started: float,
                      progress: Callable[[SparkProgress], None], stop: threading.Event) -> None:
-    tracker = sc.statusTracker()
     last = None
     while not stop.wait(0.5):
-        done = running = failed = 0
-        for job_id in tracker.getJobIdsForGroup(group):
-            job = tracker.getJobInfo(job_id)
-            for stage_id in job.stageIds if job else []:
-                stage = tracker.getStageInfo(stage_id)
-                if stage is not None:
-                    done += stage.numCompletedTasks
-                    running += stage.numActiveTasks
-                    failed += stage.numFailedTasks
-        now = (done, running, failed)
+        now = _task_counts(sc, group)
         if now != last:
             last = now
-            progress(SparkProgress(shards, done, running, failed, time.monotonic() - started))
+            progress(SparkProgress(shards, *now, time.monotonic() - started))
+
+
+def _until_tasks_end(sc: SparkContext, group: str, patience: float = 10.0) -> None:
+    """Wait (up to `patience` s) for a failed job's other tasks to end.
+
+    Spark kills them when one fails, but their last status updates come
+    later; stopping Spark under them makes its scheduler log an error (and a
+    Java stack) of its own after the command's one-line report.
+    """
+    deadline = time.monotonic() + patience
+    while _task_counts(sc, group)[1] and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _backfill_error(error: BaseException) -> BackfillError | None:
@@ -362,6 +379,8 @@ def run_on_spark(
                                    time.monotonic() - started))
         return results
     except Exception as error:
+        stop.set()
+        _until_tasks_end(context, group)
         found = _backfill_error(error)
         if found is not None:
             raise found from None

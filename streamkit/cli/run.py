@@ -375,6 +375,7 @@ async def _until_signalled(supervising: asyncio.Task[None] | None = None,
     signals = _stop_signals()
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
+    on_signal: Callable[[int, object], None] = _stopping_anyway
     if member is not None:
         watchdog = member.runtime.watchdog
         watchdog.arm_exit(lambda stuck: _exit_stuck(stuck, children), STUCK_GRACE,
@@ -391,7 +392,7 @@ async def _until_signalled(supervising: asyncio.Task[None] | None = None,
         threading.Thread(target=exit_after_second, name="second signal", daemon=True).start()
         seen = 0
 
-        def on_signal(_sig: int, _frame: object) -> None:
+        def on_watched_signal(_sig: int, _frame: object) -> None:
             # (It may interrupt itself: signals come in bursts, as the parent-death signal
             # does when `run` is killed. So it only counts and wakes, through a pipe.)
             nonlocal seen
@@ -400,16 +401,33 @@ async def _until_signalled(supervising: asyncio.Task[None] | None = None,
             if seen >= 2:
                 second.set()
 
+        on_signal = on_watched_signal
         for sig in signals:
             # Replaces asyncio's no-op Python-level handler; the loop still gets the signal
             # through its wakeup fd.
             signal.signal(sig, on_signal)
-    await first_of([stop.wait(), *([supervising] if supervising is not None else []),
-                    *([member.wait_failed()] if member is not None else [])])
+    try:
+        await first_of([stop.wait(), *([supervising] if supervising is not None else []),
+                        *([member.wait_failed()] if member is not None else [])])
+    finally:
+        # Later signals go to `on_signal` alone: the loop closes its wakeup fd as the process
+        # ends, and a signal written to that closed fd in between prints a traceback. (Held
+        # meanwhile: between the two, SIGINT's handler is Python's KeyboardInterrupt.)
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        try:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, on_signal)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
     if supervising is not None and supervising.done():
         supervising.result()
     if member is not None and member.failure is not None:
         raise CliError(f"member {member.options.member_id()} stopped: {member.failure}")
+
+
+def _stopping_anyway(_sig: int, _frame: object) -> None:
+    """A stop signal while already stopping, with no watchdog to tell."""
 
 
 def spawn_bundled_broker(data_dir: Path, port: int, keyspace_url: str,
