@@ -53,3 +53,17 @@ def test_options_that_would_be_ignored_are_usage_errors(args: list[str], said: s
     """(`-m direct` without lines was ignored; `--key ''` mapped at random.)"""
     result = CliRunner().invoke(cli, args, input="")
     assert result.exit_code == 2 and said in result.output, result.output
+
+
+def test_a_bad_value_from_the_environment_names_its_variable() -> None:
+    """A value the user did not type on the command line (an exported STREAMKIT_BROKER) is
+    named with the variable that set it; typed, it is not."""
+    runner = CliRunner()
+    exported = runner.invoke(cli, ["journals", "list"], env={"STREAMKIT_BROKER": "ftp://x"})
+    assert exported.exit_code == 2, exported.output
+    assert "scheme must be https:// (TLS) or http:// (plaintext), got ftp:// " \
+        "(set by STREAMKIT_BROKER)" in exported.output, exported.output
+    typed = runner.invoke(cli, ["journals", "list", "--broker", "ftp://x"],
+                          env={"STREAMKIT_BROKER": "ftp://y"})
+    assert typed.exit_code == 2 and "ftp://x" in typed.output, typed.output
+    assert "set by" not in typed.output, typed.output

@@ -142,8 +142,36 @@ def explain(exc: BaseException) -> tuple[list[str], int]:
     raise exc
 
 
+def _environment_values() -> dict[str, str]:
+    """The values this command took from environment variables (not from its
+    arguments), by the variable that set each."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return {}
+    taken = {}
+    for param in ctx.command.params:
+        if param.name is None or param.envvar is None or (
+                ctx.get_parameter_source(param.name)
+                is not click.core.ParameterSource.ENVIRONMENT):
+            continue
+        names = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar)
+        var = next((name for name in names if os.environ.get(name)), None)
+        if var is not None:
+            taken[var] = os.environ[var]
+    return taken
+
+
+def _naming_the_environment(lines: list[str]) -> list[str]:
+    """A line quoting a value that came from the environment says which variable set it:
+    the user typed no such thing."""
+    taken = _environment_values()
+    return [line + "".join(f" (set by {var})" for var, value in taken.items()
+                           if value.strip() and value.strip() in line)
+            for line in lines]
+
+
 def _exit(lines: list[str], code: int) -> click.exceptions.Exit:
-    for line in lines:
+    for line in _naming_the_environment(lines):
         click.echo(_PREFIX + line, err=True)
     return click.exceptions.Exit(code)
 
